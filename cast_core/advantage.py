@@ -1,0 +1,216 @@
+"""Group-relative advantages per atom, DSG-style gating, pixel advantage maps, grid pooling.
+
+Variant: CAST atom advantages (DESIGN.md section 4) plus the Flow-GRPO scalar baseline.
+
+Atom advantage. Within the G samples of one prompt, each atom's score is z-scored:
+    A[b, g, a] = (s[b, g, a] - mean_g s[b, :, a]) / max(std_g s[b, :, a], std_floor).
+The std is the *population* std (ddof = 0), as numpy's default that Flow-GRPO's group
+statistics use: it is defined for every G >= 1 and gives each group's z-scores a root-mean-square
+of exactly 1, so the advantage scale does not depend on G. A group whose std is <= std_floor is
+a tie: its advantages are set to exactly 0 (the mean of equal floats can be off by one rounding,
+which must not leak 1e-8 credits). Padded atoms (atom_mask False) get 0 and are never read.
+
+Gating (DSG-style, ours to specify): a child atom gets 0 in sample g when any of its *direct*
+parents scored below `present_threshold` in that sample. It is applied after z-scoring, so group
+statistics still include the gated samples; pass a transitive closure to gate on ancestors.
+
+Scalar baseline (Flow-GRPO): reward = mean or geometric mean of a sample's valid atom scores;
+"group" z-scores with per-prompt mean and std, "global_std" with per-prompt mean and one std over
+the whole batch. In both modes a prompt whose group std is <= std_floor gets exactly 0.
+
+Pixel map, for one sample and its valid atoms a (heatmaps H_a >= 0 on an H x W grid):
+    Hn_a(u)     = H_a(u) / max_u H_a(u)                    peak-normalised, in [0, 1]
+    H~_a(u)     = Hn_a(u) / mean_u Hn_a(u)  (= H_a / mean_u H_a, so each map has mean 1)
+    coverage(u) = max_a Hn_a(u)                            in [0, 1]
+    A_bar       = mean_a A_a
+    M(u)        = (1/|A_valid|) sum_a A_a H~_a(u) + global_weight * (1 - coverage(u)) * A_bar
+    M(u)       <- clamp(M(u), -clip, clip);   mass = mean_u |M(u)|.
+An all-zero heatmap is treated as uniform (H~ = 1 and coverage 1 everywhere): an atom the scorer
+could not ground credits the whole image. A sample with no valid atom gets M = 0. A uniform
+heatmap with one atom gives M = A_a exactly (Hn is exactly 1, so no rounding enters).
+Departures from DESIGN.md: we average over atoms (1/|A_valid|) instead of summing, so the map's
+scale does not grow with the atom count (before the global term and the clamp the spatial mean of
+M is A_bar); the global term (pixels no atom covers still get the sample's overall credit) is ours.
+
+Pooling onto the latent/token grid uses adaptive average pooling for any h x w: with H, W
+multiples of h, w it is the block mean; for h > H (or w > W) each cell averages the one or two
+pixels its window touches, which for integer factors is nearest-neighbour replication.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AtomAdvantages:
+    """advantages [B, G, A] (0 at padded or tied atoms); mean, std [B, A] over the group
+    (0 at padded atoms); zero_variance [B, A] bool: a valid atom whose group std <= std_floor."""
+
+    advantages: Tensor
+    mean: Tensor
+    std: Tensor
+    zero_variance: Tensor
+
+
+@dataclass(frozen=True)
+class ScalarAdvantages:
+    """advantages [B, G]; mean [B] per prompt; std [B] (the one batch std repeated for
+    "global_std"); zero_variance [B] bool: prompts whose group std <= std_floor (advantage 0)."""
+
+    advantages: Tensor
+    mean: Tensor
+    std: Tensor
+    zero_variance: Tensor
+
+
+@dataclass(frozen=True)
+class PixelMap:
+    """map [N, H, W] clamped advantage per pixel; coverage [N, H, W] in [0, 1];
+    mass [N] = mean_u |map|."""
+
+    map: Tensor
+    coverage: Tensor
+    mass: Tensor
+
+
+def _check_atoms(scores: Tensor, atom_mask: Tensor) -> None:
+    if scores.dim() != 3 or atom_mask.shape != (scores.shape[0], scores.shape[2]):
+        raise ValueError(
+            f"scores must be [B, G, A] and atom_mask [B, A]: got {tuple(scores.shape)} and "
+            f"{tuple(atom_mask.shape)}; pad atoms to a common A and mask the padding"
+        )
+    if atom_mask.dtype != torch.bool:
+        raise ValueError(f"atom_mask must be bool, got {atom_mask.dtype}; pass mask.bool()")
+    valid = atom_mask[:, None, :].expand_as(scores)
+    if not torch.isfinite(scores[valid]).all():
+        raise ValueError(
+            "scores at valid atoms must be finite; fix the scorer output or mask the atom"
+        )
+
+
+def atom_advantages(scores: Tensor, atom_mask: Tensor, std_floor: float = 1e-4) -> AtomAdvantages:
+    """Per-atom z-scores within each prompt group. scores [B, G, A], atom_mask [B, A] bool."""
+    _check_atoms(scores, atom_mask)
+    if std_floor <= 0:
+        raise ValueError(f"std_floor must be > 0, got {std_floor}; use e.g. 1e-4")
+    s = torch.where(atom_mask[:, None, :], scores, torch.zeros_like(scores))  # [B, G, A]
+    mean = s.mean(dim=1)  # [B, A]
+    std = s.std(dim=1, correction=0)  # [B, A]
+    zero_variance = (std <= std_floor) & atom_mask  # [B, A]
+    live = atom_mask & ~zero_variance  # [B, A]
+    z = (s - mean[:, None, :]) / std.clamp_min(std_floor)[:, None, :]  # [B, G, A]
+    advantages = torch.where(live[:, None, :], z, torch.zeros_like(z))
+    return AtomAdvantages(advantages, mean, std, zero_variance)
+
+
+def gate_by_parents(
+    advantages: Tensor, scores: Tensor, parents: Tensor, present_threshold: float = 0.5
+) -> Tensor:
+    """Zero a child's advantage where a direct parent scored < present_threshold.
+
+    advantages, scores [B, G, A]; parents [B, A, A] bool, parents[b, a, p] = p is a parent of a.
+    Returns [B, G, A]. Atoms without parents are unchanged.
+    """
+    B, _, A = scores.shape
+    if advantages.shape != scores.shape or parents.shape != (B, A, A):
+        raise ValueError(
+            f"need advantages == scores [B, G, A] and parents [B, A, A]: got "
+            f"{tuple(advantages.shape)}, {tuple(scores.shape)}, {tuple(parents.shape)}"
+        )
+    if parents.dtype != torch.bool:
+        raise ValueError(f"parents must be bool, got {parents.dtype}; pass parents.bool()")
+    absent = (scores < present_threshold).to(torch.float32)  # [B, G, A_p]
+    n_absent = absent @ parents.transpose(1, 2).to(torch.float32)  # [B, G, A]
+    return torch.where(n_absent > 0, torch.zeros_like(advantages), advantages)
+
+
+def scalar_advantages(
+    rewards: Tensor, mode: Literal["group", "global_std"] = "group", std_floor: float = 1e-4
+) -> ScalarAdvantages:
+    """Flow-GRPO advantages from scalar rewards [B, G]: per-prompt mean, std per prompt or global."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, G], got {tuple(rewards.shape)}")
+    if std_floor <= 0:
+        raise ValueError(f"std_floor must be > 0, got {std_floor}; use e.g. 1e-4")
+    mean = rewards.mean(dim=1)  # [B]
+    group_std = rewards.std(dim=1, correction=0)  # [B]
+    if mode == "group":
+        std = group_std
+    elif mode == "global_std":
+        std = rewards.std(correction=0).expand_as(mean)  # [B]
+    else:
+        raise ValueError(f"mode must be 'group' or 'global_std', got {mode!r}")
+    tied = group_std <= std_floor  # [B]
+    z = (rewards - mean[:, None]) / std.clamp_min(std_floor)[:, None]  # [B, G]
+    advantages = torch.where(tied[:, None], torch.zeros_like(z), z)
+    return ScalarAdvantages(advantages, mean, std, tied)
+
+
+def atom_reward(
+    scores: Tensor,
+    atom_mask: Tensor,
+    kind: Literal["mean", "geometric"] = "mean",
+    log_floor: float = 1e-6,
+) -> Tensor:
+    """Scalar reward [B, G] from atom scores [B, G, A] in [0, 1] over valid atoms.
+
+    "mean": sum_a s / |A_valid|. "geometric": exp(sum_a log(max(s, log_floor)) / |A_valid|);
+    the floor keeps one zero score from sending the reward to exactly 0 (and log to -inf).
+    """
+    _check_atoms(scores, atom_mask)
+    count = atom_mask.sum(dim=-1)  # [B]
+    if (count == 0).any():
+        raise ValueError(
+            "every prompt needs at least one valid atom for a reward; drop atom-less prompts"
+        )
+    mask = atom_mask[:, None, :]  # [B, 1, A]
+    n = count[:, None].to(scores.dtype)  # [B, 1]
+    if kind == "mean":
+        return torch.where(mask, scores, 0.0).sum(dim=-1) / n
+    if kind == "geometric":
+        log_s = torch.log(torch.where(mask, scores, 1.0).clamp_min(log_floor))  # [B, G, A]
+        return torch.exp(torch.where(mask, log_s, 0.0).sum(dim=-1) / n)
+    raise ValueError(f"kind must be 'mean' or 'geometric', got {kind!r}")
+
+
+def pixel_advantage_map(
+    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, global_weight: float, clip: float
+) -> PixelMap:
+    """Project atom advantages [N, A] through heatmaps [N, A, H, W] (>= 0); see module docstring."""
+    N, A = advantages.shape
+    if heatmaps.dim() != 4 or heatmaps.shape[:2] != (N, A) or atom_mask.shape != (N, A):
+        raise ValueError(
+            f"need advantages [N, A], heatmaps [N, A, H, W], atom_mask [N, A]: got "
+            f"{tuple(advantages.shape)}, {tuple(heatmaps.shape)}, {tuple(atom_mask.shape)}"
+        )
+    if clip <= 0:
+        raise ValueError(f"clip must be > 0, got {clip}; use e.g. 5.0")
+    valid = atom_mask[:, :, None, None]  # [N, A, 1, 1]
+    h = torch.where(valid, heatmaps, torch.ones_like(heatmaps))  # [N, A, H, W]
+    if not torch.isfinite(h).all() or (h < 0).any():
+        raise ValueError("heatmaps at valid atoms must be finite and >= 0; clamp the scorer's maps")
+    peak = h.amax(dim=(-2, -1), keepdim=True)  # [N, A, 1, 1]
+    hn = torch.where(peak > 0, h / peak.clamp_min(torch.finfo(h.dtype).tiny), 1.0)  # [N, A, H, W]
+    h_tilde = hn / hn.mean(dim=(-2, -1), keepdim=True)  # [N, A, H, W]
+    a = torch.where(atom_mask, advantages, 0.0)  # [N, A]
+    n_valid = atom_mask.sum(dim=1).clamp_min(1).to(h.dtype)  # [N]
+    a_bar = a.sum(dim=1) / n_valid  # [N]
+    coverage = torch.where(valid, hn, 0.0).amax(dim=1)  # [N, H, W]
+    atom_term = (a[:, :, None, None] * h_tilde).sum(dim=1) / n_valid[:, None, None]  # [N, H, W]
+    m = atom_term + global_weight * (1.0 - coverage) * a_bar[:, None, None]  # [N, H, W]
+    has_atoms = atom_mask.any(dim=1)[:, None, None]  # [N, 1, 1]
+    m = torch.where(has_atoms, m.clamp(-clip, clip), 0.0)
+    return PixelMap(m, coverage, m.abs().mean(dim=(-2, -1)))
+
+
+def pool_to_grid(pixel_map: Tensor, h: int, w: int) -> Tensor:
+    """Area-pool a map [N, H, W] onto an h x w grid -> [N, h, w] (adaptive average pooling)."""
+    if pixel_map.dim() != 3 or h < 1 or w < 1:
+        raise ValueError(
+            f"need pixel_map [N, H, W] and h, w >= 1: got {tuple(pixel_map.shape)}, {h}, {w}"
+        )
+    return F.adaptive_avg_pool2d(pixel_map[:, None], (h, w))[:, 0]  # [N, h, w]

@@ -1,0 +1,176 @@
+"""Clipped policy objectives on SDE window steps: spatially weighted (CAST) and scalar (Flow-GRPO).
+
+Variant: PPO-style clipped surrogate (as in Flow-GRPO), applied per latent position for CAST.
+
+Inputs are per-position Gaussian log-probs [N, K, h, w] (or [N, h, w]) in fp32: the mean over
+channels at each position of one SDE step's log-density (see sde.py). For one position,
+    r = exp(l_new - l_old),    L = -mean_{n, k, u} min(r M, clip(r, 1 - eps, 1 + eps) M),
+with M the advantage map (broadcast over steps when it has no K axis). The scalar baseline uses
+Flow-GRPO's all-dims ratio r = exp(mean_u l_new - mean_u l_old) per sample and step, with one
+advantage A per sample.
+
+Diagnostics: approx_kl is the k3 estimator mean((r - 1) - log r) (Schulman's unbiased,
+non-negative estimate of KL(old || new) from samples of the old policy); clip_fraction is the
+fraction of positions with |r - 1| > eps; adv_mass = mean |M| over the positions used.
+
+Clip range for per-position ratios (our choice; neither paper specifies one). Flow-GRPO clips its
+all-dims ratio with a tiny range (about 1e-4 to 2e-4). log r for that ratio is a mean over
+D = C h w dimensions, a per-position log-ratio a mean over only C, so with independent dimensions
+its spread is sqrt(D / C) = sqrt(h w) times larger. `per_position_clip_range` scales the scalar
+range by sqrt(h w): 1e-4 on a 32 x 32 grid gives 3.2e-3, on a 64 x 64 grid 6.4e-3. It is a
+starting point to tune by watching clip_fraction (aim for a few percent to ~20%).
+
+KL to the reference: one SDE step is a diagonal Gaussian with a shared std, so
+KL(N(mu_p, s^2) || N(mu_r, s^2)) = (mu_p - mu_r)^2 / (2 s^2) per dimension. `gaussian_step_kl`
+uses this form directly (the general `gaussian_kl` reduces to it but subtracts 1/2 - 1/2, which
+loses precision when the policy is close to the reference). The trainer adds beta * KL.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PolicyLossStats:
+    """0-d detached tensors: clip_fraction, ratio_mean, ratio_std (population), approx_kl (k3),
+    adv_mass (mean |advantage| over the positions or samples used)."""
+
+    clip_fraction: Tensor
+    ratio_mean: Tensor
+    ratio_std: Tensor
+    approx_kl: Tensor
+    adv_mass: Tensor
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """loss: 0-d tensor with grad; stats: detached diagnostics."""
+
+    loss: Tensor
+    stats: PolicyLossStats
+
+
+def per_position_clip_range(scalar_clip: float, num_positions: int) -> float:
+    """Clip range for per-position ratios: scalar_clip * sqrt(num_positions), num_positions = h*w."""
+    if scalar_clip <= 0 or num_positions < 1:
+        raise ValueError(
+            f"need scalar_clip > 0 and num_positions >= 1: got {scalar_clip}, {num_positions}"
+        )
+    return scalar_clip * num_positions**0.5
+
+
+def _clipped_objective(ratio: Tensor, adv: Tensor, clip_range: float) -> Tensor:
+    """Elementwise min(r A, clip(r, 1 - eps, 1 + eps) A); ratio and adv broadcast."""
+    if clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}; see per_position_clip_range")
+    clipped = ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    return torch.minimum(ratio * adv, clipped * adv)
+
+
+def _stats(log_ratio: Tensor, adv: Tensor, weight: Tensor, clip_range: float) -> PolicyLossStats:
+    """Weighted-mean diagnostics; log_ratio, adv, weight broadcast to one shape."""
+    with torch.no_grad():
+        log_ratio, adv, weight = torch.broadcast_tensors(log_ratio.detach(), adv.detach(), weight)
+        total = weight.sum().clamp_min(1.0)
+
+        def mean(x: Tensor) -> Tensor:
+            return (x * weight).sum() / total
+
+        r = log_ratio.exp()
+        r_mean = mean(r)
+        return PolicyLossStats(
+            clip_fraction=mean(((r - 1.0).abs() > clip_range).to(r.dtype)),
+            ratio_mean=r_mean,
+            ratio_std=mean((r - r_mean) ** 2).sqrt(),
+            approx_kl=mean((r - 1.0) - log_ratio),
+            adv_mass=mean(adv.abs()),
+        )
+
+
+def _align_map(adv_map: Tensor, log_prob: Tensor) -> Tensor:
+    """Give adv_map ([N, h, w], [N, 1, h, w] or [N, K, h, w]) the dims of log_prob."""
+    if log_prob.dim() == 4 and adv_map.dim() == 3:
+        adv_map = adv_map[:, None]  # [N, 1, h, w]
+    try:
+        shape = torch.broadcast_shapes(adv_map.shape, log_prob.shape)
+    except RuntimeError:
+        shape = None
+    if shape != log_prob.shape:
+        raise ValueError(
+            f"adv_map {tuple(adv_map.shape)} must broadcast to log-probs {tuple(log_prob.shape)}; "
+            "pool the map onto the latent grid (advantage.pool_to_grid) first"
+        )
+    return adv_map
+
+
+def spatial_clipped_loss(
+    log_prob_new: Tensor,
+    log_prob_old: Tensor,
+    adv_map: Tensor,
+    clip_range: float,
+    position_mask: Tensor | None = None,
+) -> PolicyLoss:
+    """CAST loss. log_prob_* [N, K, h, w] or [N, h, w]; adv_map broadcastable to them;
+    position_mask (optional, bool, broadcastable) selects the positions averaged over."""
+    if log_prob_new.shape != log_prob_old.shape or log_prob_new.dim() not in (3, 4):
+        raise ValueError(
+            f"log-probs must share a shape [N, K, h, w] or [N, h, w]: got "
+            f"{tuple(log_prob_new.shape)} and {tuple(log_prob_old.shape)}"
+        )
+    adv = _align_map(adv_map, log_prob_new).detach()
+    weight = torch.ones((), dtype=log_prob_new.dtype, device=log_prob_new.device)
+    if position_mask is not None:
+        weight = _align_map(position_mask, log_prob_new).to(log_prob_new.dtype)
+    log_ratio = log_prob_new - log_prob_old.detach()  # [N, K, h, w]
+    objective = _clipped_objective(log_ratio.exp(), adv, clip_range)  # [N, K, h, w]
+    weight_full = weight.expand_as(objective)
+    loss = -(objective * weight_full).sum() / weight_full.sum().clamp_min(1.0)
+    return PolicyLoss(loss, _stats(log_ratio, adv, weight_full, clip_range))
+
+
+def scalar_clipped_loss(
+    log_prob_new: Tensor, log_prob_old: Tensor, advantages: Tensor, clip_range: float
+) -> PolicyLoss:
+    """Flow-GRPO loss. log_prob_* [N, K, h, w] or [N, h, w]; advantages [N]; ratio over all dims."""
+    if log_prob_new.shape != log_prob_old.shape or log_prob_new.dim() not in (3, 4):
+        raise ValueError(
+            f"log-probs must share a shape [N, K, h, w] or [N, h, w]: got "
+            f"{tuple(log_prob_new.shape)} and {tuple(log_prob_old.shape)}"
+        )
+    if advantages.shape != log_prob_new.shape[:1]:
+        raise ValueError(
+            f"advantages must be [N] = {log_prob_new.shape[0]}, got {tuple(advantages.shape)}"
+        )
+    log_ratio = (log_prob_new - log_prob_old.detach()).mean(dim=(-2, -1))  # [N, K] or [N]
+    adv = advantages.detach().reshape(-1, *([1] * (log_ratio.dim() - 1)))  # [N, 1] or [N]
+    objective = _clipped_objective(log_ratio.exp(), adv, clip_range)  # [N, K] or [N]
+    weight = torch.ones_like(objective)
+    return PolicyLoss(-objective.mean(), _stats(log_ratio, adv, weight, clip_range))
+
+
+def gaussian_kl(mu_p: Tensor, std_p: Tensor, mu_q: Tensor, std_q: Tensor) -> Tensor:
+    """Elementwise KL(N(mu_p, std_p^2) || N(mu_q, std_q^2)) =
+    log(std_q / std_p) + (std_p^2 + (mu_p - mu_q)^2) / (2 std_q^2) - 1/2 (inputs broadcast)."""
+    if (torch.as_tensor(std_p) <= 0).any() or (torch.as_tensor(std_q) <= 0).any():
+        raise ValueError("stds must be > 0 for a Gaussian KL; the ODE step (noise 0) has no KL")
+    var_q = std_q**2
+    return torch.log(std_q / std_p) + (std_p**2 + (mu_p - mu_q) ** 2) / (2 * var_q) - 0.5
+
+
+def gaussian_step_kl(mean_policy: Tensor, mean_ref: Tensor, std: Tensor | float) -> Tensor:
+    """KL between two SDE steps sharing a std: (mu_p - mu_r)^2 / (2 std^2), mean over channels.
+
+    mean_policy, mean_ref [N, C, h, w]; std scalar or broadcastable (e.g. [N, 1, 1, 1]).
+    Returns [N, h, w].
+    """
+    if mean_policy.shape != mean_ref.shape or mean_policy.dim() != 4:
+        raise ValueError(
+            f"means must share a shape [N, C, h, w]: got {tuple(mean_policy.shape)}, {tuple(mean_ref.shape)}"
+        )
+    std = torch.as_tensor(std, dtype=mean_policy.dtype, device=mean_policy.device)
+    if (std <= 0).any():
+        raise ValueError("std must be > 0 for a Gaussian KL; the ODE step (noise 0) has no KL")
+    kl = (mean_policy - mean_ref) ** 2 / (2 * std**2)  # [N, C, h, w]
+    return kl.mean(dim=1)  # [N, h, w]

@@ -1,0 +1,52 @@
+"""Flow `pretrain-shapes`: train the embedded shapes backbone from scratch and save it under data/.
+
+Reproduce the committed base model (see data/base/README.md for the figures of that run):
+
+    .venv/bin/python -m flows.pretrain_shapes --steps 8000 --out data/base/shapes-base
+
+It resumes from `--work-dir` if a previous run was interrupted. `--no-prefect` runs the same task
+function without starting a Prefect API server.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prefect import flow
+
+from cast_core.backbones.shapes import ShapesBackboneConfig
+from cast_core.shapes.pretrain import PretrainConfig
+from tasks.pretrain_shapes import pretrain_shapes, pretrain_shapes_task
+
+
+@flow(name="pretrain-shapes")
+def pretrain_shapes_flow(train_file: str, out_dir: str, work_dir: str, steps: int,
+                         batch_size: int, seed: int, threads: int | None = None) -> dict:
+    config = PretrainConfig(steps=steps, batch_size=batch_size, seed=seed)
+    return pretrain_shapes_task(train_file, out_dir, work_dir, config, ShapesBackboneConfig(),
+                                threads=threads)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train-file", default="data/prompts/train.jsonl")
+    parser.add_argument("--out", default="data/base/shapes-base")
+    parser.add_argument("--work-dir", default="runs/pretrain-shapes")
+    parser.add_argument("--steps", type=int, default=PretrainConfig.steps)
+    parser.add_argument("--batch-size", type=int, default=PretrainConfig.batch_size)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-prefect", action="store_true")
+    args = parser.parse_args(argv)
+    kwargs = dict(train_file=args.train_file, out_dir=args.out, work_dir=args.work_dir,
+                  steps=args.steps, batch_size=args.batch_size, seed=args.seed, threads=args.threads)
+    if args.no_prefect:
+        config = PretrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+        print(pretrain_shapes(args.train_file, args.out, args.work_dir, config,
+                              ShapesBackboneConfig(), threads=args.threads))
+    else:
+        print(pretrain_shapes_flow(**kwargs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Atom and scalar advantages, gating, pixel maps and grid pooling against closed forms."""
+
+import math
+
+import pytest
+import torch
+
+from cast_core.advantage import (
+    atom_advantages,
+    atom_reward,
+    gate_by_parents,
+    pixel_advantage_map,
+    pool_to_grid,
+    scalar_advantages,
+)
+
+
+def test_identical_atom_scores_give_exactly_zero():
+    # 0.1 is not representable; the group mean of 7 copies can be off by one rounding.
+    scores = torch.full((3, 7, 4), 0.1)
+    scores[1, :, 2] = 0.7
+    out = atom_advantages(scores, torch.ones(3, 4, dtype=torch.bool))
+    assert torch.equal(out.advantages, torch.zeros_like(scores))
+    assert out.zero_variance.all()
+
+
+def test_z_scores_match_hand_formula():
+    s = torch.tensor([[[0.2, 0.9], [0.4, 0.9], [0.9, 0.1]]])  # [B=1, G=3, A=2]
+    out = atom_advantages(s, torch.ones(1, 2, dtype=torch.bool))
+    for a in range(2):
+        col = [float(s[0, g, a]) for g in range(3)]
+        mean = sum(col) / 3
+        std = math.sqrt(sum((x - mean) ** 2 for x in col) / 3)  # population std
+        expected = torch.tensor([(x - mean) / std for x in col])
+        torch.testing.assert_close(out.advantages[0, :, a], expected)
+        assert out.mean[0, a].item() == pytest.approx(mean)
+        assert out.std[0, a].item() == pytest.approx(std)
+    # unit root-mean-square per group with the population std
+    torch.testing.assert_close(out.advantages.pow(2).mean(dim=1), torch.ones(1, 2))
+
+
+def test_masked_atoms_give_zero_and_do_not_leak():
+    torch.manual_seed(0)
+    scores = torch.rand(2, 5, 3)
+    scores[0, :, 2] = float("nan")  # padding may hold anything
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    out = atom_advantages(scores, mask)
+    assert torch.equal(out.advantages[0, :, 2], torch.zeros(5))
+    assert not out.zero_variance[0, 2]
+    ref = atom_advantages(scores[1:], mask[1:])
+    torch.testing.assert_close(out.advantages[1], ref.advantages[0])
+
+
+def test_gating_zeroes_children_only_when_parent_absent():
+    # atoms: 0 = object (parent), 1 = its colour (child of 0), 2 = independent object
+    adv = torch.tensor([[[1.0, 2.0, 3.0], [-1.0, -2.0, -3.0]]])  # [1, 2, 3]
+    scores = torch.tensor([[[0.9, 0.8, 0.1], [0.2, 0.8, 0.1]]])  # parent present in g=0 only
+    parents = torch.zeros(1, 3, 3, dtype=torch.bool)
+    parents[0, 1, 0] = True
+    gated = gate_by_parents(adv, scores, parents, present_threshold=0.5)
+    expected = torch.tensor([[[1.0, 2.0, 3.0], [-1.0, 0.0, -3.0]]])
+    assert torch.equal(gated, expected)
+
+
+@pytest.mark.parametrize("mode", ["group", "global_std"])
+def test_scalar_advantages_match_formulas(mode):
+    r = torch.tensor([[0.1, 0.5, 0.9, 0.3], [0.2, 0.2, 0.6, 0.8]])
+    out = scalar_advantages(r, mode=mode)
+    mean = r.mean(dim=1, keepdim=True)
+    if mode == "group":
+        std = ((r - mean) ** 2).mean(dim=1, keepdim=True).sqrt()
+    else:
+        std = ((r - r.mean()) ** 2).mean().sqrt()
+    torch.testing.assert_close(out.advantages, (r - mean) / std)
+
+
+@pytest.mark.parametrize("mode", ["group", "global_std"])
+def test_identical_rewards_give_exactly_zero(mode):
+    r = torch.tensor([[0.1] * 7, [0.3, 0.9, 0.5, 0.1, 0.2, 0.6, 0.4]])
+    out = scalar_advantages(r, mode=mode)
+    assert torch.equal(out.advantages[0], torch.zeros(7))
+    assert out.advantages[1].abs().sum() > 0
+
+
+def test_scalar_unknown_mode_raises():
+    with pytest.raises(ValueError, match="mode"):
+        scalar_advantages(torch.rand(2, 3), mode="batch")  # type: ignore[arg-type]
+
+
+def test_atom_reward_mean_and_geometric():
+    s = torch.tensor([[[0.5, 0.8, 0.0], [0.0, 1.0, 0.3]]])  # [1, 2, 3]
+    mask = torch.tensor([[True, True, False]])
+    mean = atom_reward(s, mask, kind="mean")
+    torch.testing.assert_close(mean, torch.tensor([[(0.5 + 0.8) / 2, (0.0 + 1.0) / 2]]))
+    floor = 1e-6
+    geo = atom_reward(s, mask, kind="geometric", log_floor=floor)
+    expected = torch.tensor([[math.sqrt(0.5 * 0.8), math.sqrt(floor * 1.0)]])
+    torch.testing.assert_close(geo, expected)
+
+
+def test_uniform_heatmap_one_atom_gives_constant_map():
+    adv = torch.tensor([[0.73], [-1.9]])  # [N=2, A=1]
+    heat = torch.full((2, 1, 6, 5), 0.37)
+    out = pixel_advantage_map(
+        adv, heat, torch.ones(2, 1, dtype=torch.bool), global_weight=0.5, clip=5.0
+    )
+    assert torch.equal(out.map, adv[:, :, None].expand(2, 6, 5))
+    assert torch.equal(out.coverage, torch.ones(2, 6, 5))
+    torch.testing.assert_close(out.mass, adv[:, 0].abs())
+
+
+def test_global_term_only_where_uncovered():
+    # atom 0 covers the left half, atom 1 is uniform but masked out (padding)
+    H, W, gw = 4, 6, 0.3
+    heat = torch.zeros(1, 2, H, W)
+    heat[0, 0, :, : W // 2] = 2.0
+    heat[0, 1] = 1.0
+    adv = torch.tensor([[1.5, 9.0]])
+    mask = torch.tensor([[True, False]])
+    out = pixel_advantage_map(adv, heat, mask, global_weight=gw, clip=10.0)
+    a_bar = 1.5
+    # left: A * H~ with H~ = H / mean(H) = 2 / 1 = 2 and coverage 1; right: only gw * A_bar
+    torch.testing.assert_close(out.map[0, :, : W // 2], torch.full((H, W // 2), 1.5 * 2.0))
+    torch.testing.assert_close(out.map[0, :, W // 2 :], torch.full((H, W // 2), gw * a_bar))
+    torch.testing.assert_close(out.coverage[0, :, W // 2 :], torch.zeros(H, W // 2))
+
+
+def test_two_atoms_average_and_clip_bound():
+    torch.manual_seed(1)
+    heat = torch.rand(3, 4, 8, 8)
+    adv = 10 * torch.randn(3, 4)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2] = False  # no valid atom -> zero map
+    clip = 2.0
+    out = pixel_advantage_map(adv, heat, mask, global_weight=0.5, clip=clip)
+    assert out.map.abs().max() <= clip
+    assert torch.equal(out.map[2], torch.zeros(8, 8))
+    unclipped = pixel_advantage_map(adv, heat, mask, global_weight=0.0, clip=1e9).map
+    h_tilde = heat / heat.mean(dim=(-2, -1), keepdim=True)
+    expected = (adv[:, :, None, None] * h_tilde).mean(dim=1)
+    torch.testing.assert_close(unclipped[:2], expected[:2])
+
+
+def test_pool_equals_block_means_when_divisible():
+    torch.manual_seed(2)
+    m = torch.randn(2, 8, 12)
+    pooled = pool_to_grid(m, 2, 3)
+    blocks = m.reshape(2, 2, 4, 3, 4).mean(dim=(2, 4))
+    torch.testing.assert_close(pooled, blocks)
+
+
+def test_pool_non_divisible_matches_window_formula():
+    torch.manual_seed(3)
+    m = torch.randn(1, 7, 5)
+    h, w = 3, 4
+    pooled = pool_to_grid(m, h, w)
+    for i in range(h):
+        r0, r1 = (i * 7) // h, -((-(i + 1) * 7) // h)
+        for j in range(w):
+            c0, c1 = (j * 5) // w, -((-(j + 1) * 5) // w)
+            assert pooled[0, i, j].item() == pytest.approx(
+                m[0, r0:r1, c0:c1].mean().item(), abs=1e-6
+            )
+
+
+def test_pool_upsampling_integer_factor_is_nearest():
+    m = torch.arange(6.0).reshape(1, 2, 3)
+    up = pool_to_grid(m, 4, 9)
+    assert torch.equal(up, m.repeat_interleave(2, dim=1).repeat_interleave(3, dim=2))
+    assert pool_to_grid(m, 5, 2).shape == (1, 5, 2)

@@ -1,0 +1,131 @@
+"""Clipped policy losses and Gaussian KLs against hand-derived gradients and torch.distributions."""
+
+import math
+
+import pytest
+import torch
+from torch.distributions import Normal, kl_divergence
+
+from cast_core.loss import (
+    gaussian_kl,
+    gaussian_step_kl,
+    per_position_clip_range,
+    scalar_clipped_loss,
+    spatial_clipped_loss,
+)
+
+N, K, h, w = 3, 2, 4, 5
+
+
+def _log_probs(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, K, h, w, generator=g, dtype=torch.float64)
+
+
+def test_constant_map_at_ratio_one_equals_scalar_loss_and_grad():
+    old = _log_probs()
+    adv = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64)
+    new_s = old.clone().requires_grad_(True)
+    new_c = old.clone().requires_grad_(True)
+    spatial = spatial_clipped_loss(new_s, old, adv[:, None, None].expand(N, h, w), clip_range=0.1)
+    scalar = scalar_clipped_loss(new_c, old, adv, clip_range=0.1)
+    torch.testing.assert_close(spatial.loss, scalar.loss)
+    (g_s,) = torch.autograd.grad(spatial.loss, new_s)
+    (g_c,) = torch.autograd.grad(scalar.loss, new_c)
+    torch.testing.assert_close(g_s, g_c)
+    # both equal -A / (N K h w) at r = 1
+    torch.testing.assert_close(g_s, (-adv / (N * K * h * w))[:, None, None, None].expand_as(g_s))
+
+
+def test_clipping_gradients_follow_the_min():
+    eps = 0.2
+    old = torch.zeros(4, 1, 1, 3, dtype=torch.float64)
+    # per sample: ratio above 1+eps, below 1-eps, inside the range
+    r = torch.tensor([1.5, 0.5, 1.1], dtype=torch.float64)
+    log_r = r.log().expand(4, 1, 1, 3)
+    adv = torch.tensor([1.0, -1.0, 2.0, -2.0], dtype=torch.float64)[:, None, None].expand(4, 1, 3)
+    new = log_r.clone().requires_grad_(True)
+    out = spatial_clipped_loss(new, old, adv, clip_range=eps)
+    (grad,) = torch.autograd.grad(out.loss, new)
+    grad = grad[:, 0, 0]  # [4, 3]
+    n_el = 4 * 3
+    # A > 0: r > 1+eps is clipped (zero grad); r < 1-eps keeps its gradient
+    assert grad[0, 0] == 0 and grad[2, 0] == 0
+    torch.testing.assert_close(grad[0, 1], -1.0 * r[1] / n_el)
+    # A < 0: r < 1-eps is clipped (zero grad); r > 1+eps keeps its gradient
+    assert grad[1, 1] == 0 and grad[3, 1] == 0
+    torch.testing.assert_close(grad[1, 0], 1.0 * r[0] / n_el)
+    # inside the range the gradient is -A r / num_elements
+    torch.testing.assert_close(grad[:, 2], -adv[:, 0, 2] * r[2] / n_el)
+    assert out.stats.clip_fraction.item() == pytest.approx(2 / 3)
+
+
+def test_stats_formulas_and_detached():
+    old = _log_probs(1)
+    new = (old + 0.05 * _log_probs(2)).requires_grad_(True)
+    adv_map = torch.randn(N, h, w, dtype=torch.float64)
+    out = spatial_clipped_loss(new, old, adv_map, clip_range=0.04)
+    r = (new - old).detach().exp()
+    assert out.stats.clip_fraction.item() == pytest.approx(
+        ((r - 1).abs() > 0.04).double().mean().item()
+    )
+    assert out.stats.ratio_mean.item() == pytest.approx(r.mean().item())
+    assert out.stats.ratio_std.item() == pytest.approx(r.std(correction=0).item())
+    assert out.stats.approx_kl.item() == pytest.approx(((r - 1) - r.log()).mean().item())
+    assert out.stats.adv_mass.item() == pytest.approx(adv_map.abs().mean().item())
+    for field in ("clip_fraction", "ratio_mean", "ratio_std", "approx_kl", "adv_mass"):
+        value = getattr(out.stats, field)
+        assert value.dim() == 0 and not value.requires_grad
+    assert out.loss.requires_grad
+
+
+def test_position_mask_restricts_the_mean():
+    old = _log_probs(3)
+    new = old + 0.01
+    adv_map = torch.randn(N, h, w, dtype=torch.float64)
+    mask = torch.zeros(N, h, w, dtype=torch.bool)
+    mask[:, :2] = True
+    out = spatial_clipped_loss(new, old, adv_map, clip_range=0.5, position_mask=mask)
+    r = math.exp(0.01)
+    expected = -(r * adv_map[:, :2]).mean()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_map_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="pool_to_grid"):
+        spatial_clipped_loss(_log_probs(), _log_probs(), torch.zeros(N, h + 1, w), clip_range=0.1)
+
+
+def test_scalar_loss_uses_all_dims_ratio():
+    old = _log_probs(4)
+    new = old + 0.3 * _log_probs(5)
+    adv = torch.tensor([1.0, -0.5, 0.2], dtype=torch.float64)
+    eps = 0.05
+    out = scalar_clipped_loss(new, old, adv, clip_range=eps)
+    r = (new - old).mean(dim=(-2, -1)).exp()  # [N, K]
+    a = adv[:, None]
+    expected = -torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a).mean()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_gaussian_kl_matches_torch_distributions():
+    g = torch.Generator().manual_seed(6)
+    mu_p, mu_q = torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64)
+    std_p, std_q = 0.2 + torch.rand(2, 4, 3, 3, generator=g, dtype=torch.float64)
+    expected = kl_divergence(Normal(mu_p, std_p), Normal(mu_q, std_q))
+    torch.testing.assert_close(gaussian_kl(mu_p, std_p, mu_q, std_q), expected)
+    # shared std, mean over channels (dim 1)
+    mu_p, mu_r = torch.randn(2, 2, 4, 3, 3, generator=g, dtype=torch.float64)
+    std = torch.tensor([0.3, 0.7], dtype=torch.float64)[:, None, None, None]
+    step = gaussian_step_kl(mu_p, mu_r, std)
+    expected = kl_divergence(
+        Normal(mu_p, std.expand_as(mu_p)), Normal(mu_r, std.expand_as(mu_r))
+    ).mean(dim=1)
+    assert step.shape == (2, 3, 3)
+    torch.testing.assert_close(step, expected)
+
+
+def test_per_position_clip_range_scales_with_sqrt_positions():
+    assert per_position_clip_range(1e-4, 32 * 32) == pytest.approx(1e-4 * 32)
+    with pytest.raises(ValueError):
+        per_position_clip_range(0.0, 16)
