@@ -21,10 +21,11 @@ from tasks.pretrain_shapes import pretrain_shapes, pretrain_shapes_task
 
 @flow(name="pretrain-shapes")
 def pretrain_shapes_flow(train_file: str, out_dir: str, work_dir: str, steps: int,
-                         batch_size: int, seed: int, threads: int | None = None) -> dict:
+                         batch_size: int, seed: int, threads: int | None = None,
+                         stop_after: int | None = None) -> dict:
     config = PretrainConfig(steps=steps, batch_size=batch_size, seed=seed)
     return pretrain_shapes_task(train_file, out_dir, work_dir, config, ShapesBackboneConfig(),
-                                threads=threads)
+                                threads=threads, stop_after=stop_after)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,14 +37,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=PretrainConfig.batch_size)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="save the training state after this step and stop (resume later)")
     parser.add_argument("--no-prefect", action="store_true")
     args = parser.parse_args(argv)
     kwargs = dict(train_file=args.train_file, out_dir=args.out, work_dir=args.work_dir,
-                  steps=args.steps, batch_size=args.batch_size, seed=args.seed, threads=args.threads)
+                  steps=args.steps, batch_size=args.batch_size, seed=args.seed, threads=args.threads,
+                  stop_after=args.stop_after)
     if args.no_prefect:
         config = PretrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
         print(pretrain_shapes(args.train_file, args.out, args.work_dir, config,
-                              ShapesBackboneConfig(), threads=args.threads))
+                              ShapesBackboneConfig(), threads=args.threads,
+                              stop_after=args.stop_after))
     else:
         print(pretrain_shapes_flow(**kwargs))
 

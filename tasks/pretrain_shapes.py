@@ -27,7 +27,8 @@ from cast_core.shapes.pretrain import (
 from cast_core.shapes.prompts import load_prompt_file
 
 
-def _save_state(work_dir: Path, step: int, model, ema, optimizer, losses: list[float]) -> None:
+def _save_state(work_dir: Path, step: int, model, ema, optimizer, losses: list[float],
+                segments: list[dict]) -> None:
     tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
     tensors |= {f"ema.{k}": v.contiguous() for k, v in ema.state_dict().items()}
     opt = optimizer.state_dict()
@@ -36,16 +37,17 @@ def _save_state(work_dir: Path, step: int, model, ema, optimizer, losses: list[f
             tensors[f"opt.{idx}.{name}"] = torch.as_tensor(value).contiguous()
     tmp = work_dir / "state.tmp"
     save_file(tensors, str(tmp))
-    meta = {"step": step, "param_groups": opt["param_groups"], "losses": losses}
+    meta = {"step": step, "param_groups": opt["param_groups"], "losses": losses,
+            "segments": segments}
     (work_dir / "state.json.tmp").write_text(json.dumps(meta))
     os.replace(tmp, work_dir / "state.safetensors")
     os.replace(work_dir / "state.json.tmp", work_dir / "state.json")  # completion recorded last
 
 
-def _load_state(work_dir: Path, model, ema, optimizer) -> tuple[int, list[float]]:
+def _load_state(work_dir: Path, model, ema, optimizer) -> tuple[int, list[float], list[dict]]:
     meta_path = work_dir / "state.json"
     if not meta_path.exists():
-        return 0, []
+        return 0, [], []
     meta = json.loads(meta_path.read_text())
     tensors = load_file(str(work_dir / "state.safetensors"))
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
@@ -56,13 +58,19 @@ def _load_state(work_dir: Path, model, ema, optimizer) -> tuple[int, list[float]
             _, idx, name = key.split(".", 2)
             state[int(idx)][name] = value
     optimizer.load_state_dict({"state": dict(state), "param_groups": meta["param_groups"]})
-    return int(meta["step"]), list(meta["losses"])
+    segments = meta.get("segments") or [{"from_step": 0, "to_step": int(meta["step"]),
+                                         "schedule_steps": None, "wall_seconds": None}]
+    return int(meta["step"]), list(meta["losses"]), segments
 
 
 def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: PretrainConfig,
                     model_config: ShapesBackboneConfig, save_every: int = 250,
-                    threads: int | None = None) -> dict:
-    """Train (or resume) and save the EMA backbone to out_dir. Returns a small summary dict."""
+                    threads: int | None = None, stop_after: int | None = None) -> dict:
+    """Train (or resume) and save the EMA backbone to out_dir. Returns a small summary dict.
+
+    `stop_after` ends the run after that step's state is saved (a multiple of save_every), without
+    writing out_dir: a later call resumes from there, possibly with a different `config.steps`.
+    """
     if threads:
         torch.set_num_threads(threads)
     records = load_prompt_file(train_file)
@@ -77,9 +85,10 @@ def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: Pretra
     optimizer = make_optimizer(model, config)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    start, losses = _load_state(work, model, ema, optimizer)
+    start, losses, done_segments = _load_state(work, model, ema, optimizer)
     started = time.time()
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="pretrain",
+    end = min(config.steps, stop_after or config.steps)
+    bar = tqdm(range(start, end), initial=start, total=config.steps, desc="pretrain",
                dynamic_ncols=True, mininterval=2.0)
     for step in bar:
         loss, grad_norm = train_step(model, optimizer, make_batch(by_tag, config, step), config, step)
@@ -87,13 +96,18 @@ def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: Pretra
         losses.append(round(loss, 5))
         bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}",
                         lr=f"{config.lr_at(step):.1e}", gnorm=f"{grad_norm:.2f}")
-        if (step + 1) % save_every == 0 or step + 1 == config.steps:
-            _save_state(work, step + 1, model, ema, optimizer, losses)
+        if (step + 1) % save_every == 0 or step + 1 in (config.steps, end):
+            segment = {"from_step": start, "to_step": step + 1, "schedule_steps": config.steps,
+                       "wall_seconds": round(time.time() - started, 1)}
+            _save_state(work, step + 1, model, ema, optimizer, losses, done_segments + [segment])
+    if end < config.steps:
+        return {"work_dir": str(work), "stopped_at": end, "final_loss": losses[-1]}
     out = Path(out_dir)
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     ema.save_pretrained(staging)
-    summary = {"config": asdict(config), "model_config": asdict(model_config),
+    history = json.loads((work / "state.json").read_text())["segments"]
+    summary = {"config": asdict(config), "model_config": asdict(model_config), "segments": history,
                "parameters": sum(p.numel() for p in ema.parameters()),
                "wall_seconds_this_run": round(time.time() - started, 1),
                "resumed_from_step": start, "loss_every_50": losses[::50]}

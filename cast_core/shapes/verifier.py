@@ -129,10 +129,11 @@ def detect(images: torch.Tensor, config: VerifierConfig = VerifierConfig()) -> l
         ids = ids[(ids != 0) & (counts >= config.min_area)]
         masks = labels_np[i][None] == ids[:, None, None]  # [n, H, W]
         feats, centers = zip(*(_shape_features(m) for m in masks)) if len(ids) else ((), ())
+        colors = [pixel_colors[i][m].mean(0) for m in masks]
         out.append(Instances(
             masks=masks,
             kind_probs=_kind_probs(np.array(feats).reshape(-1, 4)),
-            color_probs=np.stack([pixel_colors[i][m].mean(0) for m in masks]).reshape(-1, 5),
+            color_probs=np.array(colors, dtype=np.float64).reshape(-1, len(COLORS)),
             centers=np.array(centers, dtype=np.float64).reshape(-1, 2)))
     return out
 

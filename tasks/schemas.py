@@ -1,0 +1,219 @@
+"""Every table's Arrow schema, declared once, with a version number per table.
+
+The store (`tasks/store.py`) checks each write against these declarations and writes every Parquet
+file with exactly the declared schema, so the DuckDB views over a table's files agree on column
+types; the catalog's views are generated from the same declarations (`duckdb_type`).
+
+Conventions:
+- Ids are strings; a prompt's id is `prompt_id(text)`, the first 16 hex digits of the sha256 of
+  its text. Counters (iteration, step, sample_index, atom_index, ...) are integers.
+- Hashes are sha256 hex digests; paths are POSIX paths relative to the store root.
+- Timestamps are UTC, microseconds. List columns name their item field "element", as Parquet does,
+  so a file read back has a schema equal to the declared one (metadata included).
+- A column is non-nullable unless marked `_NULL`. Bump a table's version whenever its columns
+  change.
+- `windows` names its bounds `window_start` / `window_end` (as `rollouts` does): `end` is an SQL
+  keyword and would need quoting in every query.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+STR, I32, I64 = pa.string(), pa.int32(), pa.int64()
+F32, F64, BOOL = pa.float32(), pa.float64(), pa.bool_()
+UTC_TIME = pa.timestamp("us", tz="UTC")
+_NULL = True
+
+
+def _list(item: pa.DataType) -> pa.DataType:
+    return pa.list_(pa.field("element", item))
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table: its name, schema version, one-line description and Arrow schema."""
+
+    name: str
+    version: int
+    doc: str
+    schema: pa.Schema
+
+
+class SchemaError(ValueError):
+    """Rows or an Arrow table do not match a table's declared schema."""
+
+
+def _table(name: str, version: int, doc: str, *columns: tuple) -> TableSpec:
+    fields = [pa.field(c[0], c[1], nullable=len(c) > 2 and c[2]) for c in columns]
+    metadata = {"cast.table": name, "cast.version": str(version)}
+    return TableSpec(name, version, doc, pa.schema(fields, metadata=metadata))
+
+
+_KEYS = (("run_id", STR), ("iteration", I32), ("prompt_id", STR), ("sample_index", I32))
+
+_SPECS = (
+    _table("stages", 1, "Stage completion rows, written last by each stage; the truth for resume.",
+           ("run_id", STR), ("iteration", I32), ("stage", STR), ("cache_key", STR), ("rows", I64),
+           ("content_hash", STR), ("paths", _list(STR)), ("code_version", STR),
+           ("started_at", UTC_TIME), ("finished_at", UTC_TIME)),
+    _table("csgs", 1, "One causal scene graph per prompt, as JSON, with the builder that made it.",
+           ("run_id", STR), ("prompt_id", STR), ("prompt", STR), ("tag", STR, _NULL),
+           ("split", STR), ("builder", STR), ("graph_json", STR), ("num_atoms", I32)),
+    _table("atoms", 1, "One row per verifiable atom of a prompt's scene graph.",
+           ("run_id", STR), ("prompt_id", STR), ("atom_id", STR), ("atom_index", I32),
+           ("type", STR), ("question", STR), ("answer", STR), ("parents", _list(STR)),
+           ("subject", STR), ("object", STR, _NULL), ("value", STR, _NULL)),
+    _table("calibration_curves", 1,
+           "Mean/std cosine similarity of each step's Tweedie x0 to the final image, per backbone.",
+           ("run_id", STR), ("backbone_id", STR), ("step", I32), ("sigma", F64),
+           ("similarity_mean", F64), ("similarity_std", F64), ("num_prompts", I32),
+           ("embedder", STR)),
+    _table("windows", 1, "The SDE window chosen for a backbone from its calibration curve.",
+           ("run_id", STR), ("backbone_id", STR), ("formation_step", I32), ("method", STR),
+           ("window_start", I32), ("window_end", I32), ("num_steps", I32), ("noise_level", F64),
+           ("plot_path", STR, _NULL)),
+    _table("rollouts", 1, "One sampled image per (prompt, sample) with its seed and blob paths.",
+           *_KEYS, ("seed", I64), ("policy_hash", STR), ("image_path", STR), ("image_hash", STR),
+           ("latents_path", STR), ("latents_hash", STR), ("window_start", I32),
+           ("window_end", I32), ("num_steps", I32)),
+    _table("atom_scores", 1,
+           "Score and grounding heatmap (row-major, heatmap_h x heatmap_w) per (sample, atom).",
+           *_KEYS, ("atom_id", STR), ("atom_type", STR), ("score", F64), ("heatmap", _list(F32)),
+           ("heatmap_h", I32), ("heatmap_w", I32), ("scorer_id", STR)),
+    _table("advantages", 1, "Group z-score advantage per (sample, atom) with its group statistics.",
+           *_KEYS, ("atom_id", STR), ("advantage", F64), ("group_mean", F64),
+           ("group_std", F64), ("zero_variance", BOOL), ("gated", BOOL)),
+    _table("advantage_maps", 1, "Per-sample pixel advantage map (a safetensors blob), summarised.",
+           *_KEYS, ("scalar_advantage", F64), ("map_path", STR), ("map_hash", STR),
+           ("map_h", I32), ("map_w", I32), ("mass", F64)),
+    _table("train_steps", 1,
+           "One optimizer step: loss and diagnostics (null when skipped), rewards, stage timings.",
+           ("run_id", STR), ("iteration", I32), ("step", I64), ("inner_epoch", I32),
+           ("loss", F64, _NULL), ("clip_fraction", F64, _NULL), ("ratio_mean", F64, _NULL),
+           ("ratio_std", F64, _NULL), ("approx_kl", F64, _NULL), ("kl", F64, _NULL),
+           ("grad_norm", F64, _NULL), ("adv_mass", F64), ("skipped", BOOL),
+           ("skip_reason", STR, _NULL), ("lr", F64), ("reward_object", F64, _NULL),
+           ("reward_count", F64, _NULL), ("reward_attribute", F64, _NULL),
+           ("reward_relation", F64, _NULL), ("zero_variance_fraction", F64),
+           ("stage_seconds_json", STR)),
+    _table("evals", 1, "Evaluation of one checkpoint on one group (tag or atom type) of a split.",
+           ("run_id", STR), ("iteration", I32), ("checkpoint_hash", STR), ("eval_spec_hash", STR),
+           ("split", STR), ("group_kind", STR), ("group_name", STR), ("images", I32),
+           ("strict_accuracy", F64), ("atom_accuracy", F64), ("mean_score", F64),
+           ("diversity", F64, _NULL)),
+)
+
+TABLES: Mapping[str, TableSpec] = {s.name: s for s in _SPECS}
+
+
+def prompt_id(prompt_text: str) -> str:
+    """The id of a prompt: the first 16 hex digits of sha256(utf-8 text)."""
+    return hashlib.sha256(prompt_text.encode("utf-8")).hexdigest()[:16]
+
+
+def table_spec(table: str) -> TableSpec:
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}; declared tables: {sorted(TABLES)}")
+    return TABLES[table]
+
+
+_DUCKDB_SCALARS = {STR: "VARCHAR", I32: "INTEGER", I64: "BIGINT", F32: "FLOAT", F64: "DOUBLE",
+                   BOOL: "BOOLEAN", UTC_TIME: "TIMESTAMP WITH TIME ZONE"}
+
+
+def duckdb_type(arrow_type: pa.DataType) -> str:
+    """The DuckDB type that DuckDB itself reads from a Parquet column of this Arrow type."""
+    if pa.types.is_list(arrow_type):
+        return duckdb_type(arrow_type.value_type) + "[]"
+    if arrow_type not in _DUCKDB_SCALARS:
+        raise ValueError(f"no DuckDB type for Arrow type {arrow_type}; add it to _DUCKDB_SCALARS")
+    return _DUCKDB_SCALARS[arrow_type]
+
+
+def view_sql(spec: TableSpec, parquet_glob: str | None) -> str:
+    """CREATE VIEW over a Parquet glob, or an empty view with the declared columns (glob None)."""
+    if parquet_glob is not None:
+        glob = parquet_glob.replace("'", "''")
+        source = f"SELECT * FROM read_parquet('{glob}', union_by_name = true)"
+    else:
+        columns = ", ".join(f'CAST(NULL AS {duckdb_type(f.type)}) AS "{f.name}"'
+                            for f in spec.schema)
+        source = f"SELECT {columns} WHERE false"
+    return f'CREATE VIEW "{spec.name}" AS {source}'
+
+
+def conform(table: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Rows (dicts) or an Arrow table -> an Arrow table with exactly the declared schema.
+
+    Accepted conversions: null -> any type, int -> wider int or float (overflow raises),
+    float64 -> float32, naive -> UTC timestamps, the same per list item. Anything else (a float
+    into an int column, a number into a string column) raises SchemaError naming table and column.
+    """
+    spec = table_spec(table)
+    if isinstance(data, pa.Table):
+        _check_names(spec, data.column_names, "the Arrow table")
+        given = {name: data.column(name) for name in data.column_names}
+    else:
+        rows = list(data)
+        for i, row in enumerate(rows):
+            _check_names(spec, list(row), f"row {i}")
+        given = {f.name: _infer(spec, f.name, [row[f.name] for row in rows]) for f in spec.schema}
+    columns = [_cast(spec, field, given[field.name]) for field in spec.schema]
+    return pa.Table.from_arrays(columns, schema=spec.schema)
+
+
+def _check_names(spec: TableSpec, names: list[str], where: str) -> None:
+    declared = spec.schema.names
+    missing = [n for n in declared if n not in names]
+    extra = [n for n in names if n not in declared]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if missing or extra or duplicated:
+        raise SchemaError(
+            f"table {spec.name!r}, {where}: missing columns {missing}, unexpected columns {extra},"
+            f" duplicated columns {duplicated}; the declared columns (tasks/schemas.py) are "
+            f"{declared}")
+
+
+def _infer(spec: TableSpec, name: str, values: list) -> pa.Array:
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise SchemaError(f"table {spec.name!r}, column {name!r}: values of mixed or unsupported "
+                          f"types ({e}); give every row a value of the declared type") from e
+
+
+def _castable(source: pa.DataType, target: pa.DataType) -> bool:
+    if pa.types.is_null(source) or source == target:
+        return True
+    if pa.types.is_list(source) or pa.types.is_large_list(source):
+        return pa.types.is_list(target) and _castable(source.value_type, target.value_type)
+    if pa.types.is_integer(source):
+        return pa.types.is_integer(target) or pa.types.is_floating(target)
+    if pa.types.is_floating(source):
+        return pa.types.is_floating(target)
+    if pa.types.is_string(source) or pa.types.is_large_string(source):
+        return pa.types.is_string(target)
+    return pa.types.is_timestamp(source) and pa.types.is_timestamp(target)
+
+
+def _cast(spec: TableSpec, field: pa.Field, column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    where = f"table {spec.name!r}, column {field.name!r}"
+    if not _castable(column.type, field.type):
+        raise SchemaError(f"{where}: got type {column.type}, declared {field.type}; convert the "
+                          f"values before writing")
+    try:
+        column = column.cast(field.type, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise SchemaError(f"{where}: cannot store the values as {field.type}: {e}") from e
+    if not field.nullable and column.null_count:
+        raise SchemaError(f"{where}: {column.null_count} null value(s) in a non-nullable column; "
+                          f"give every row a value")
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return column

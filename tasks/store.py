@@ -1,0 +1,296 @@
+"""The one writer and reader of a CAST store: Parquet tables, content-addressed blobs, stage records
+and the DuckDB catalog of views.
+
+Layout under a store root:
+    tables/<table>/<part>.parquet   one file per write, rewritten whole (never appended to)
+    blobs/<hh>/<sha256>.<ext>       content-addressed binaries; tensors only as safetensors
+    catalog.duckdb                  only VIEWs over the Parquet files, rebuilt by refresh_catalog
+    catalog.lock                    the fcntl lock held while the catalog is rebuilt
+
+Every file appears under its final name only when complete: it is written to a temporary name in
+the same directory (a dot-name that no glob matches), fsynced, then `os.replace`d, so a crash
+leaves the old file or the new one, never half of one. Paths in refs and tables are POSIX paths
+relative to the root. A stage is done when its `stages` row exists and every path that row names
+exists; stages write that row last. Views read their files at query time, so a part written after
+a refresh is already listed; only a table's first part needs a refresh (its view is empty until).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from tasks.schemas import TABLES, conform, table_spec, view_sql
+
+_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]*")
+_STAGE = re.compile(r"[a-z][a-z0-9_]*")
+_EXT = re.compile(r"[a-z0-9]+(\.[a-z0-9]+)*")
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """A written Parquet part: path (relative to the root), sha256 of its bytes, row count."""
+
+    path: str
+    content_hash: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """A content-addressed file: path (relative to the root) and the sha256 of its bytes."""
+
+    path: str
+    sha256: str
+
+    @property
+    def content_hash(self) -> str:
+        return self.sha256
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """One completion row of the `stages` table."""
+
+    run_id: str
+    iteration: int
+    stage: str
+    cache_key: str
+    rows: int
+    content_hash: str
+    paths: tuple[str, ...]
+    code_version: str
+    started_at: datetime
+    finished_at: datetime
+
+
+Filters = Mapping[str, Any] | pc.Expression | None
+
+
+class Store:
+    """Reads and writes one store root; safe to use from several processes at once."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).resolve()
+        self.catalog_path = self.root / "catalog.duckdb"
+
+    def resolve(self, path: str | os.PathLike) -> Path:
+        """A path stored in a table or ref (relative to the root, or absolute) -> absolute path."""
+        return self.root / path
+
+    def parts(self, table: str) -> list[Path]:
+        table_spec(table)
+        return sorted((self.root / "tables" / table).glob("*.parquet"))
+
+    def write_table(self, table: str, data: pa.Table | Sequence[Mapping[str, Any]],
+                    part: str) -> TableRef:
+        """Validate rows against the declared schema and write them as `tables/<table>/<part>`."""
+        if not _PART.fullmatch(part):
+            raise ValueError(f"part name {part!r} must match {_PART.pattern} (no slashes, no "
+                             f"leading dot); build it from run id, iteration and shard")
+        arrow = conform(table, data)
+        schema = table_spec(table).schema
+        final = self.root / "tables" / table / f"{part}.parquet"
+        digest = _atomic_write(final, lambda tmp: _write_parquet(tmp, arrow, schema))
+        return TableRef(self._relative(final), digest, arrow.num_rows)
+
+    def read_table(self, table: str, filters: Filters = None) -> pa.Table:
+        """All parts of a table with its declared schema; `filters` is {column: value} or an
+        Arrow expression. An empty table (declared schema) when nothing was written."""
+        schema = table_spec(table).schema
+        files = self.parts(table)
+        if not files:
+            return schema.empty_table()
+        dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
+        return dataset.to_table(filter=_expression(filters))
+
+    def put_blob(self, data: bytes, ext: str) -> BlobRef:
+        """Store bytes at `blobs/<hh>/<sha256>.<ext>`; the same bytes always give the same ref."""
+        if not _EXT.fullmatch(ext):
+            raise ValueError(f"blob extension {ext!r} must match {_EXT.pattern}, e.g. 'png'")
+        digest = hashlib.sha256(data).hexdigest()
+        final = self.root / "blobs" / digest[:2] / f"{digest}.{ext}"
+        if not final.exists():
+            _atomic_write(final, lambda tmp: Path(tmp).write_bytes(data))
+        return BlobRef(self._relative(final), digest)
+
+    def put_tensors(self, tensors: Mapping[str, Any],
+                    metadata: Mapping[str, str] | None = None) -> BlobRef:
+        """Store named tensors as one safetensors blob (content-addressed, idempotent)."""
+        from safetensors.torch import save  # torch is imported only by the tensor methods
+
+        contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+        return self.put_blob(save(contiguous, metadata=dict(metadata or {})), "safetensors")
+
+    def get_tensors(self, ref_or_path: BlobRef | str | os.PathLike) -> dict[str, Any]:
+        """Load a safetensors blob (never pickle) -> {name: CPU tensor}."""
+        from safetensors.torch import load_file
+
+        path = self.resolve(ref_or_path.path if isinstance(ref_or_path, BlobRef) else ref_or_path)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{path} is not a .safetensors file; tensors are only read from "
+                             f"safetensors blobs written by put_tensors")
+        return load_file(str(path))
+
+    def record_stage(self, run_id: str, iteration: int, stage: str, cache_key: str,
+                     refs: Sequence[TableRef | BlobRef], *, code_version: str | None = None,
+                     started_at: datetime | None = None) -> TableRef:
+        """Write a stage's completion row; call it after every other write of the stage."""
+        finished_at = datetime.now(UTC)
+        row = {"run_id": run_id, "iteration": iteration, "stage": stage, "cache_key": cache_key,
+               "rows": sum(getattr(r, "rows", 0) for r in refs),
+               "content_hash": combined_hash(refs), "paths": [r.path for r in refs],
+               "code_version": code_version or _package_version(),
+               "started_at": started_at or finished_at, "finished_at": finished_at}
+        return self.write_table("stages", [row], _stage_part(run_id, iteration, stage, cache_key))
+
+    def stage_done(self, run_id: str, iteration: int, stage: str,
+                   cache_key: str) -> StageRecord | None:
+        """The stage's record if it exists and every path it names exists; otherwise None."""
+        name = _stage_part(run_id, iteration, stage, cache_key)
+        part = self.root / "tables" / "stages" / f"{name}.parquet"
+        if not part.exists():
+            return None
+        record = _record(pq.read_table(part).to_pylist()[0])
+        same = (record.run_id, record.iteration, record.stage, record.cache_key) == (
+            run_id, iteration, stage, cache_key)
+        return record if same and self._paths_exist(record) else None
+
+    def last_finished_iteration(self, run_id: str, stage: str) -> int:
+        """The largest iteration whose `stage` record is valid (paths exist); -1 if none."""
+        rows = self.read_table("stages", {"run_id": run_id, "stage": stage}).to_pylist()
+        return max((r["iteration"] for r in rows if self._paths_exist(_record(r))), default=-1)
+
+    def refresh_catalog(self) -> Path:
+        """Rebuild catalog.duckdb (one view per table) under an exclusive lock, swapped in whole."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "catalog.lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file is closed
+            tmp = self.root / f".catalog.tmp-{os.getpid()}.duckdb"
+            try:
+                _remove(tmp, Path(f"{tmp}.wal"))
+                con = duckdb.connect(str(tmp))
+                try:
+                    for spec in TABLES.values():
+                        glob = self.root / "tables" / spec.name / "*.parquet"
+                        con.execute(view_sql(spec, str(glob) if self.parts(spec.name) else None))
+                        con.execute(f"COMMENT ON VIEW {spec.name} IS '{_quote(spec.doc)}'")
+                    con.execute("CHECKPOINT")
+                finally:
+                    con.close()
+                _fsync_and_hash(tmp)
+                _remove(Path(f"{self.catalog_path}.wal"))  # a stale WAL must not meet a new file
+                os.replace(tmp, self.catalog_path)
+            finally:
+                _remove(tmp, Path(f"{tmp}.wal"))
+        return self.catalog_path
+
+    def connect_readonly(self) -> duckdb.DuckDBPyConnection:
+        """A read-only connection to the catalog; close it when done. DuckDB shares one open
+        database per path within a process: a connection opened while an older one is still open
+        sees the catalog as it was then, so close connections rather than keeping them."""
+        if not self.catalog_path.exists():
+            raise FileNotFoundError(
+                f"no catalog at {self.catalog_path}; build it with `cast refresh --root "
+                f"{self.root}` or Store(root).refresh_catalog()")
+        return duckdb.connect(str(self.catalog_path), read_only=True)
+
+    def _paths_exist(self, record: StageRecord) -> bool:
+        return all(self.resolve(p).exists() for p in record.paths)
+
+    def _relative(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+
+def combined_hash(refs: Sequence[TableRef | BlobRef]) -> str:
+    """sha256 over the sorted (path, content hash) pairs of a stage's outputs."""
+    lines = sorted(f"{r.path}\t{r.content_hash}" for r in refs)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _stage_part(run_id: str, iteration: int, stage: str, cache_key: str) -> str:
+    if not _STAGE.fullmatch(stage):
+        raise ValueError(f"stage name {stage!r} must match {_STAGE.pattern}, e.g. 'score_atoms'")
+    key = hashlib.sha256(f"{run_id}\n{iteration}\n{stage}\n{cache_key}".encode()).hexdigest()
+    return f"{stage}-{iteration}-{key[:24]}"
+
+
+def _record(row: Mapping[str, Any]) -> StageRecord:
+    return StageRecord(**{**row, "paths": tuple(row["paths"])})
+
+
+def _expression(filters: Filters) -> pc.Expression | None:
+    if filters is None or isinstance(filters, pc.Expression):
+        return filters
+    terms = [pc.field(name) == value for name, value in filters.items()]
+    expression = terms[0] if terms else None
+    for term in terms[1:]:
+        expression = expression & term
+    return expression
+
+
+def _write_parquet(path: str, table: pa.Table, schema: pa.Schema) -> None:
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        writer.write_table(table)
+
+
+def _atomic_write(final: Path, write: Callable[[str], None]) -> str:
+    """Write via `write(tmp_path)` into a temp file beside `final`, fsync, rename; -> sha256."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(final.parent / f".{final.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
+    try:
+        open(tmp, "xb").close()  # unlike mkstemp, honours the umask (readable by the group)
+        write(tmp)
+        digest = _fsync_and_hash(Path(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        _remove(Path(tmp))
+        raise
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return digest
+
+
+def _fsync_and_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _quote(text: str) -> str:
+    return text.replace("'", "''")
+
+
+def _package_version() -> str:
+    try:
+        return f"cast-rl {metadata.version('cast-rl')}"
+    except metadata.PackageNotFoundError:
+        return "cast-rl unknown"
