@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cast_core.sampling import encode_conditioning, ode_trajectory
 from cast_core.sde import ode_step, tweedie_x0
 from cast_core.shapes.embedder import cosine_similarity
 from cast_core.window import (
@@ -63,16 +64,13 @@ class Calibration:
 def _chunk_curves(backbone, embedder, prompts: list[str], seeds: list[int], sigmas: Tensor,
                   guidance_scale: float) -> Tensor:
     """Curves [n, S] float64 for one chunk of n prompts."""
-    n = len(prompts)
-    cond = backbone.encode_prompts(prompts)
-    uncond = backbone.encode_prompts([""] * n) if guidance_scale != 1.0 else None
+    cond, uncond = encode_conditioning(backbone, prompts, guidance_scale)
     x = backbone.initial_noise(seeds)  # [n, C, h, w]
     estimates = []
-    for k in range(len(sigmas) - 1):
-        t, t_next = float(sigmas[k]), float(sigmas[k + 1])
-        v = backbone.velocity(x, torch.full((n,), t, device=x.device), cond, guidance_scale, uncond)
-        estimates.append(embedder.embed(backbone.decode(tweedie_x0(x, v, t))))  # [n, D]
-        x = ode_step(x, v, t, t_next)
+    for step in ode_trajectory(backbone, cond, uncond, x, sigmas, guidance_scale):
+        x0_hat = tweedie_x0(step.x_t, step.v, step.t)
+        estimates.append(embedder.embed(backbone.decode(x0_hat)))  # [n, D]
+        x = ode_step(step.x_t, step.v, step.t, step.t_next)
     e_final = embedder.embed(backbone.decode(x))  # [n, D]
     return torch.stack([cosine_similarity(e_k, e_final) for e_k in estimates], dim=1).cpu()
 

@@ -48,7 +48,8 @@ from peft import LoraConfig
 from torch import Tensor
 
 from cast_core.loss import PolicyLoss, gaussian_step_kl, scalar_clipped_loss, spatial_clipped_loss
-from cast_core.rollout import Rollout, RolloutSpec, encode_conditioning, replay_steps
+from cast_core.rollout import Rollout, RolloutSpec, replay_steps
+from cast_core.sampling import encode_conditioning
 
 AdvantageKind = Literal["spatial", "scalar"]
 

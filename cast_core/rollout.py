@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cast_core.sampling import encode_conditioning, step_velocity
 from cast_core.sde import GaussianStep, SdeKind, gaussian_log_prob, ode_step, sde_mean_std, sde_step
 from cast_core.window import SdeWindow
 
@@ -141,18 +142,9 @@ def sde_noise(seeds: Sequence[int], k: int, shape: Sequence[int]) -> Tensor:
     )
 
 
-def encode_conditioning(backbone, prompts: list[str], guidance_scale: float):
-    """(cond, uncond) for the prompts; uncond is None without CFG. Text encoder never trained."""
-    with torch.no_grad():
-        cond = backbone.encode_prompts(prompts)
-        uncond = backbone.encode_prompts([""] * len(prompts)) if guidance_scale != 1.0 else None
-    return cond, uncond
-
-
 def _velocity(backbone, x_t: Tensor, t: float, cond, uncond, spec: RolloutSpec) -> Tensor:
     """v(x_t, t) [n, C, h, w] for n samples sharing the step time t."""
-    t_vec = torch.full((x_t.shape[0],), t)
-    return backbone.velocity(x_t, t_vec, cond, spec.guidance_scale, uncond)
+    return step_velocity(backbone, x_t, t, cond, uncond, spec.guidance_scale)
 
 
 def _check_pairs(prompts: list[str], seeds: Sequence[int]) -> None:

@@ -41,16 +41,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="save the training state after this step and stop (resume later)")
     parser.add_argument("--no-prefect", action="store_true")
     args = parser.parse_args(argv)
-    kwargs = dict(train_file=args.train_file, out_dir=args.out, work_dir=args.work_dir,
-                  steps=args.steps, batch_size=args.batch_size, seed=args.seed, threads=args.threads,
-                  stop_after=args.stop_after)
     if args.no_prefect:
         config = PretrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
-        print(pretrain_shapes(args.train_file, args.out, args.work_dir, config,
-                              ShapesBackboneConfig(), threads=args.threads,
-                              stop_after=args.stop_after))
+        result = pretrain_shapes(args.train_file, args.out, args.work_dir, config,
+                                 ShapesBackboneConfig(), threads=args.threads,
+                                 stop_after=args.stop_after)
     else:
-        print(pretrain_shapes_flow(**kwargs))
+        result = pretrain_shapes_flow(
+            train_file=args.train_file, out_dir=args.out, work_dir=args.work_dir, steps=args.steps,
+            batch_size=args.batch_size, seed=args.seed, threads=args.threads,
+            stop_after=args.stop_after)
+    print(result)
 
 
 if __name__ == "__main__":

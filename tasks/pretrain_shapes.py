@@ -23,7 +23,12 @@ from tqdm.auto import tqdm
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.shapes.pretrain import (
-    PretrainConfig, ema_update, make_batch, make_optimizer, train_step)
+    PretrainConfig,
+    ema_update,
+    make_batch,
+    make_optimizer,
+    train_step,
+)
 from cast_core.shapes.prompts import load_prompt_file
 
 

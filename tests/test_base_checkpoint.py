@@ -1,8 +1,7 @@
 """The committed base checkpoint loads through from_pretrained, samples, and draws real shapes."""
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import torch
 

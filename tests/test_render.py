@@ -64,8 +64,8 @@ def test_relations_separate_groups_with_a_gap(relation):
         scene = sample_scene(record, np.random.default_rng(seed))
         subject = [s for s in scene if s.group == 1]
         reference = [s for s in scene if s.group == 0]
-        lo = lambda s: (s.x0, s.y0)[axis]  # noqa: E731
-        hi = lambda s: (s.x0, s.y0)[axis] + s.extent  # noqa: E731
+        lo = lambda s: (s.x0, s.y0)[axis]
+        hi = lambda s: (s.x0, s.y0)[axis] + s.extent
         if relation in ("left of", "above"):
             assert max(map(hi, subject)) + 2 <= min(map(lo, reference))
         else:

@@ -36,7 +36,7 @@ def _false_atoms(records, seed):
     for i, record in enumerate(records):
         include = record["include"]
         for ci, clause in enumerate(include):
-            node_of = lambda g, c=clause: next(n for n in g.nodes if n.noun == c["class"])  # noqa: E731
+            node_of = lambda g, c=clause: next(n for n in g.nodes if n.noun == c["class"])
             if clause.get("color"):
                 edited = copy.deepcopy(record)
                 edited["include"][ci]["color"] = prng.choice(

@@ -62,7 +62,7 @@ class Conditioning:
     tokens: torch.Tensor
     pooled: torch.Tensor
 
-    def __getitem__(self, index) -> "Conditioning":
+    def __getitem__(self, index) -> Conditioning:
         return Conditioning(self.tokens[index], self.pooled[index])
 
 
@@ -179,7 +179,7 @@ class ShapesBackbone(torch.nn.Module):
             {"family": self.family, **self.config.__dict__}, indent=2) + "\n")
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ShapesBackbone":
+    def from_pretrained(cls, path: str | Path) -> ShapesBackbone:
         path = Path(path)
         if not (path / BACKBONE_FILE).exists():
             raise FileNotFoundError(f"{path} is not a shapes backbone folder: no {BACKBONE_FILE}")

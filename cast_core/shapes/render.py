@@ -125,7 +125,7 @@ def _regions(record: dict, rng: np.random.Generator, size: int, gap: int) -> lis
             continue
         rel, j = clause["position"]
         first_count = clauses[i if rel in ("left of", "above") else j]["count"]
-        share = first_count / (clauses[i]["count"] + clauses[j]["count"])
+        share = first_count / (clause["count"] + clauses[j]["count"])
         split = int(np.clip(round(size * share) + rng.integers(-2, 3), size // 4, size - size // 4))
         lo_half, hi_half = split - gap // 2, split + (gap - gap // 2)
         first, second = ((0, 0, lo_half, size), (hi_half, 0, size, size))
