@@ -70,11 +70,14 @@ def _load_state(work_dir: Path, model, ema, optimizer) -> tuple[int, list[float]
 
 def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: PretrainConfig,
                     model_config: ShapesBackboneConfig, save_every: int = 250,
-                    threads: int | None = None, stop_after: int | None = None) -> dict:
+                    threads: int | None = None, stop_after: int | None = None,
+                    init_from: str | None = None) -> dict:
     """Train (or resume) and save the EMA backbone to out_dir. Returns a small summary dict.
 
     `stop_after` ends the run after that step's state is saved (a multiple of save_every), without
     writing out_dir: a later call resumes from there, possibly with a different `config.steps`.
+    `init_from` starts from the weights of a saved shapes backbone (continued training, fresh
+    optimiser and schedule; its model config wins over `model_config`) instead of random ones.
     """
     if threads:
         torch.set_num_threads(threads)
@@ -83,7 +86,8 @@ def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: Pretra
     for record in records:
         by_tag[record["tag"]].append(record)
     torch.manual_seed(config.seed)
-    model = ShapesBackbone(model_config)
+    model = ShapesBackbone.from_pretrained(init_from) if init_from else ShapesBackbone(model_config)
+    model_config = model.config
     ema = ShapesBackbone(model_config, tokenizer=model.tokenizer)
     ema.load_state_dict(model.state_dict())
     ema.requires_grad_(False)
@@ -113,6 +117,7 @@ def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: Pretra
     ema.save_pretrained(staging)
     history = json.loads((work / "state.json").read_text())["segments"]
     summary = {"config": asdict(config), "model_config": asdict(model_config), "segments": history,
+               "init_from": init_from,
                "parameters": sum(p.numel() for p in ema.parameters()),
                "wall_seconds_this_run": round(time.time() - started, 1),
                "resumed_from_step": start, "loss_every_50": losses[::50]}

@@ -122,3 +122,16 @@ def test_resumed_training_equals_uninterrupted(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     summary = json.loads((tmp_path / "b" / "training.json").read_text())
     assert [s["to_step"] for s in summary["segments"]] == [2, 4]
+
+
+def test_init_from_continues_from_saved_weights(tmp_path, tiny):
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text(json.dumps(RECORD) + "\n")
+    tiny.save_pretrained(tmp_path / "start")
+    config = PretrainConfig(steps=1, batch_size=2, warmup_steps=1, lr=1e-12, ema_decay=0.5)
+    pretrain_shapes(str(prompts), str(tmp_path / "out"), str(tmp_path / "w"), config, TINY,
+                    init_from=str(tmp_path / "start"))
+    out = ShapesBackbone.from_pretrained(tmp_path / "out").state_dict()
+    start = tiny.state_dict()
+    # a vanishing learning rate keeps the weights where they started (not a fresh random init)
+    assert all(torch.allclose(out[k], start[k], atol=1e-6) for k in start)
