@@ -23,10 +23,10 @@ from tasks.pretrain_shapes import pretrain_shapes, pretrain_shapes_task
 def pretrain_shapes_flow(train_file: str, out_dir: str, work_dir: str, steps: int,
                          batch_size: int, seed: int, threads: int | None = None,
                          stop_after: int | None = None, init_from: str | None = None,
-                         lr: float = PretrainConfig.lr, warmup_steps: int = PretrainConfig.warmup_steps
-                         ) -> dict:
+                         lr: float = PretrainConfig.lr, warmup_steps: int = PretrainConfig.warmup_steps,
+                         t_shift: float = PretrainConfig.t_shift) -> dict:
     config = PretrainConfig(steps=steps, batch_size=batch_size, seed=seed, lr=lr,
-                            warmup_steps=warmup_steps)
+                            warmup_steps=warmup_steps, t_shift=t_shift)
     return pretrain_shapes_task(train_file, out_dir, work_dir, config, ShapesBackboneConfig(),
                                 threads=threads, stop_after=stop_after, init_from=init_from)
 
@@ -46,11 +46,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="continue training from a saved shapes backbone folder")
     parser.add_argument("--lr", type=float, default=PretrainConfig.lr)
     parser.add_argument("--warmup-steps", type=int, default=PretrainConfig.warmup_steps)
+    parser.add_argument("--t-shift", type=float, default=PretrainConfig.t_shift,
+                        help="SD3 time shift of the training t distribution (>1: more high noise)")
     parser.add_argument("--no-prefect", action="store_true")
     args = parser.parse_args(argv)
     if args.no_prefect:
         config = PretrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
-                                lr=args.lr, warmup_steps=args.warmup_steps)
+                                lr=args.lr, warmup_steps=args.warmup_steps, t_shift=args.t_shift)
         result = pretrain_shapes(args.train_file, args.out, args.work_dir, config,
                                  ShapesBackboneConfig(), threads=args.threads,
                                  stop_after=args.stop_after, init_from=args.init_from)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             train_file=args.train_file, out_dir=args.out, work_dir=args.work_dir, steps=args.steps,
             batch_size=args.batch_size, seed=args.seed, threads=args.threads,
             stop_after=args.stop_after, init_from=args.init_from, lr=args.lr,
-            warmup_steps=args.warmup_steps)
+            warmup_steps=args.warmup_steps, t_shift=args.t_shift)
     print(result)
 
 

@@ -32,6 +32,7 @@ class PretrainConfig:
     grad_clip: float = 1.0
     cfg_dropout: float = 0.1
     uniform_t_fraction: float = 0.2
+    t_shift: float = 1.0
     ema_decay: float = 0.999
     seed: int = 0
 
@@ -40,6 +41,8 @@ class PretrainConfig:
             raise ValueError(f"steps and batch_size must be >= 1: got {self.steps}, {self.batch_size}")
         if not 0.0 <= self.cfg_dropout < 1.0:
             raise ValueError(f"cfg_dropout must be in [0, 1): got {self.cfg_dropout}")
+        if not self.t_shift > 0:
+            raise ValueError(f"t_shift must be > 0 (1 = no shift): got {self.t_shift}")
         if not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1): got {self.ema_decay}")
 
@@ -74,12 +77,15 @@ def make_batch(records_by_tag: dict[str, list[dict]], config: PretrainConfig, st
     return Batch(x0=x0, prompts=prompts)
 
 
-def sample_t(batch_size: int, uniform_fraction: float, generator: torch.Generator) -> torch.Tensor:
-    """Training times [B] in (0, 1): logit-normal(0, 1) mixed with uniform."""
+def sample_t(batch_size: int, uniform_fraction: float, generator: torch.Generator,
+             shift: float = 1.0) -> torch.Tensor:
+    """Training times [B] in (0, 1): logit-normal(0, 1) mixed with uniform, then the SD3 time
+    shift t' = shift t / (1 + (shift - 1) t) (shift > 1 moves mass to high noise)."""
     logit_normal = torch.sigmoid(torch.randn(batch_size, generator=generator))
     uniform = torch.rand(batch_size, generator=generator)
     pick = torch.rand(batch_size, generator=generator) < uniform_fraction
-    return torch.where(pick, uniform, logit_normal).clamp(1e-4, 1 - 1e-4)
+    t = torch.where(pick, uniform, logit_normal)
+    return (shift * t / (1 + (shift - 1) * t)).clamp(1e-4, 1 - 1e-4)
 
 
 def flow_matching_loss(model: ShapesBackbone, batch: Batch, t: torch.Tensor,
@@ -95,7 +101,7 @@ def train_step(model: ShapesBackbone, optimizer: torch.optim.Optimizer, batch: B
                config: PretrainConfig, step: int) -> tuple[float, float]:
     """One optimisation step; returns (loss, grad norm)."""
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-    t = sample_t(batch.x0.shape[0], config.uniform_t_fraction, generator)
+    t = sample_t(batch.x0.shape[0], config.uniform_t_fraction, generator, config.t_shift)
     eps = torch.randn(batch.x0.shape, generator=generator)
     for group in optimizer.param_groups:
         group["lr"] = config.lr_at(step)

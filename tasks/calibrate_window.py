@@ -1,0 +1,99 @@
+"""Stage `calibrate_window`: the backbone's own structure-formation step -> the SDE window.
+
+mode "calibrated": P prompts (evenly spaced through `window.calibration_file`, default the train
+set), one content-derived seed each, run the base model's ODE sampler at the recipe's steps and CFG;
+curves of cos(e(x0_hat_k), e(x_final)) with the world's image embedder (`shapes-layout-v1` for the
+shapes world; CLIP arrives with the real backbones) -> `cast_core.calibration.calibrate_window`.
+Writes `calibration_curves` (mean/std per step), `windows` (one row) and a PNG plot blob.
+mode "fixed": writes only the `windows` row (method "fixed", formation_step = window_end - 1).
+
+Run-level (iteration -1); cached on the base weights' hash, the sampling and window sections, the
+calibration prompts' hash and the embedder spec.
+"""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+
+from cast_core.calibration import calibrate_window as calibrate
+from cast_core.calibration import plot_calibration, similarity_curves
+from cast_core.shapes.prompts import load_prompt_file
+from cast_core.window import fixed_window
+from tasks.models import base_hash, load_base, set_threads
+from tasks.recipe import Recipe
+from tasks.schemas import prompt_id
+from tasks.stage import RUN_LEVEL, StageRef, derive_seed, file_hash, make_key, run_stage, stage_task
+from tasks.store import Store
+
+STAGE = "calibrate_window"
+
+
+def _embedder(recipe: Recipe):
+    if recipe.backbone.family == "shapes":
+        from cast_core.shapes.embedder import LayoutEmbedder
+
+        return LayoutEmbedder()
+    raise ValueError(f"no calibration embedder for backbone.family {recipe.backbone.family!r}")
+
+
+def _calibration_file(recipe: Recipe) -> str:
+    return recipe.window.calibration_file or recipe.prompts.train
+
+
+def cache_key(store: Store, recipe: Recipe) -> str:
+    inputs = {"base": base_hash(recipe)}
+    if recipe.window.mode == "calibrated":
+        inputs |= {"prompts": file_hash(_calibration_file(recipe)),
+                   "embedder": _embedder(recipe).spec}
+    return make_key(STAGE, {"sampling": recipe.section_hash("sampling", "window"),
+                            "seed": recipe.run.seed}, inputs)
+
+
+def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
+    run_id, s, w = recipe.run.name, recipe.sampling, recipe.window
+    backbone_id = f"{recipe.backbone.family}:{base_hash(recipe)[:16]}"
+
+    def body():
+        part = f"{run_id}-run"
+        row = {"run_id": run_id, "backbone_id": backbone_id, "num_steps": s.num_steps,
+               "noise_level": s.noise_level}
+        if w.mode == "fixed":
+            window = fixed_window(w.start, w.size, s.num_steps)
+            row |= {"formation_step": window.end - 1, "method": "fixed",
+                    "window_start": window.start, "window_end": window.end, "plot_path": None}
+            return [store.write_table("windows", [row], part)]
+        set_threads(recipe)
+        records = load_prompt_file(_calibration_file(recipe))
+        picks = [records[i * len(records) // w.calibration_prompts]
+                 for i in range(min(w.calibration_prompts, len(records)))]
+        prompts = [r["prompt"] for r in picks]
+        seeds = [derive_seed(recipe.run.seed, "calibrate", prompt_id(p)) for p in prompts]
+        embedder = _embedder(recipe)
+        curves = similarity_curves(load_base(recipe), embedder, prompts, seeds, s.num_steps,
+                                   s.guidance_scale, chunk_size=s.chunk_size)
+        result = calibrate(curves.curves, s.num_steps, w.size, method=w.method,
+                           threshold=w.threshold)
+        plot = store.put_blob(plot_calibration(result, curves.sigmas,
+                                               f"{run_id}: window calibration ({backbone_id})"),
+                              "png")
+        curve_rows = [{"run_id": run_id, "backbone_id": backbone_id, "step": k,
+                       "sigma": float(curves.sigmas[k]), "similarity_mean": float(m),
+                       "similarity_std": float(sd), "num_prompts": len(prompts),
+                       "embedder": embedder.spec}
+                      for k, (m, sd) in enumerate(zip(result.mean_curve, result.std_curve))]
+        row |= {"formation_step": result.formation.step, "method": result.formation.method_used,
+                "window_start": result.window.start, "window_end": result.window.end,
+                "plot_path": plot.path}
+        return [store.write_table("calibration_curves", curve_rows, part), plot,
+                store.write_table("windows", [row], part)]
+
+    return run_stage(store, run_id, RUN_LEVEL, STAGE, cache_key(store, recipe), body)
+
+
+def read_window(store: Store, ref: StageRef) -> dict:
+    """The windows row a calibrate_window call wrote."""
+    rows = pq.read_table(store.resolve(ref.path_with("/windows/"))).to_pylist()
+    return rows[0]
+
+
+calibrate_window_task = stage_task(calibrate_window, STAGE, cache_key)

@@ -1,0 +1,38 @@
+"""Which policy an iteration samples with: the checkpoint written by the previous iteration's
+`train_epoch`, or the base model (with a fresh, zero-effect LoRA adapter) at iteration 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow.compute as pc
+
+from tasks.models import base_hash
+from tasks.recipe import Recipe
+from tasks.store import Store
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """policy_hash: sha256 of the LoRA blob (or 'base-<weights hash>'); lora_path /
+    optimizer_path: blobs relative to the store root, None at iteration 0."""
+
+    iteration: int
+    policy_hash: str
+    lora_path: str | None
+    optimizer_path: str | None
+
+
+def policy_for(store: Store, recipe: Recipe, iteration: int) -> PolicyState:
+    """The policy that iteration `iteration` rolls out and starts training from."""
+    if iteration == 0:
+        return PolicyState(0, f"base-{base_hash(recipe)[:16]}", None, None)
+    previous = iteration - 1
+    rows = store.read_table("checkpoints", (pc.field("run_id") == recipe.run.name)
+                            & (pc.field("iteration") == previous)).to_pylist()
+    if not rows or not store.resolve(rows[0]["lora_path"]).exists():
+        raise FileNotFoundError(
+            f"run {recipe.run.name!r}: no checkpoint of iteration {previous} in {store.root}; "
+            f"finish iteration {previous} first (run the flow without an explicit iteration)")
+    row = rows[0]
+    return PolicyState(iteration, row["policy_hash"], row["lora_path"], row["optimizer_path"])

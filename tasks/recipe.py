@@ -1,0 +1,209 @@
+"""Recipes: the typed, validated description of one CAST (or Flow-GRPO) run, read from TOML.
+
+A recipe names the backbone, scorer and CSG builder, the prompt set, the sampler, how the SDE
+window is chosen, how advantages are formed and how the LoRA policy is trained. The algorithm is a
+recipe switch, on the same data and code:
+
+    advantage.kind = "spatial"  CAST: per-atom z-scores projected through heatmaps (pixel maps)
+    advantage.kind = "scalar"   Flow-GRPO: one reward per sample (mean or geometric mean of atoms)
+    window.mode = "calibrated"  the window ends at the backbone's structure-formation step
+    window.mode = "fixed"       the window is [window.start, window.start + window.size)
+
+Every section and field is checked (pydantic, `extra = "forbid"`): an unknown or missing field, or
+a value outside the allowed set, raises `RecipeError` naming the file, the field and what is
+allowed. `Recipe.derived()` gives the quantities the pipeline computes from the recipe; the flows
+print them at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe file that cannot be read or does not validate; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSection(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="the run id")
+    seed: int = Field(0, ge=0)
+    threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
+
+
+class BackboneSection(_Section):
+    family: Literal["shapes"]
+    path: str
+
+
+class ScorerSection(_Section):
+    kind: Literal["shapes-verifier"]
+
+
+class BuilderSection(_Section):
+    kind: Literal["geneval-parser"]
+
+
+class PromptsSection(_Section):
+    train: str
+    per_iteration: int = Field(ge=1, description="prompts B per iteration")
+    group_size: int = Field(ge=2, description="samples G per prompt")
+    selection: Literal["tag_balanced", "uniform"] = "tag_balanced"
+
+
+class SamplingSection(_Section):
+    num_steps: int = Field(ge=2)
+    guidance_scale: float = Field(ge=1.0)
+    noise_level: float = Field(gt=0.0)
+    sde_kind: Literal["flow_sde", "cps"] = "flow_sde"
+    chunk_size: int = Field(64, ge=1)
+
+
+class WindowSection(_Section):
+    mode: Literal["calibrated", "fixed"]
+    size: int = Field(ge=1)
+    start: int = Field(0, ge=0, description="first window step (mode = 'fixed' only)")
+    calibration_prompts: int = Field(16, ge=1)
+    calibration_file: str | None = None
+    method: Literal["curvature", "threshold"] = "curvature"
+    threshold: float = Field(0.9, gt=0.0, lt=1.0)
+
+
+class AdvantageSection(_Section):
+    kind: Literal["spatial", "scalar"]
+    gate_by_parents: bool = True
+    global_weight: float = Field(1.0, ge=0.0)
+    clip: float = Field(5.0, gt=0.0)
+    reward: Literal["mean", "geometric"] = "mean"
+    scalar_mode: Literal["group", "global_std"] = "group"
+    std_floor: float = Field(1e-4, gt=0.0)
+
+
+class TrainSection(_Section):
+    lr: float = Field(gt=0.0)
+    lora_rank: int = Field(ge=1)
+    lora_alpha: float = Field(gt=0.0)
+    clip_range: float = Field(gt=0.0)
+    kl_beta: float = Field(0.0, ge=0.0)
+    inner_epochs: int = Field(1, ge=1)
+    micro_batch: int = Field(8, ge=1)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+
+
+class EvalSection(_Section):
+    splits: dict[str, str]
+    images_per_prompt: int = Field(4, ge=1)
+    num_steps: int = Field(10, ge=1)
+    guidance_scale: float = Field(4.0, ge=1.0)
+    max_prompts: int | None = Field(None, ge=1, description="first N prompts of each split")
+
+
+class Recipe(_Section):
+    run: RunSection
+    backbone: BackboneSection
+    scorer: ScorerSection
+    builder: BuilderSection
+    prompts: PromptsSection
+    sampling: SamplingSection
+    window: WindowSection
+    advantage: AdvantageSection
+    train: TrainSection
+    eval: EvalSection
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Recipe:
+        steps = self.sampling.num_steps
+        if self.window.size > steps:
+            raise ValueError(f"window.size ({self.window.size}) exceeds sampling.num_steps "
+                             f"({steps}); choose a window of at most {steps} steps")
+        if self.window.mode == "fixed" and self.window.start + self.window.size > steps:
+            raise ValueError(f"window [start={self.window.start}, start+size="
+                             f"{self.window.start + self.window.size}) does not fit in "
+                             f"sampling.num_steps={steps}; lower window.start")
+        return self
+
+    def derived(self) -> dict[str, Any]:
+        """Quantities the pipeline derives from the recipe (printed at the start of a flow)."""
+        b, g = self.prompts.per_iteration, self.prompts.group_size
+        n = b * g
+        return {
+            "run_id": self.run.name,
+            "samples_per_iteration": n,
+            "micro_batches_per_epoch": -(-n // self.train.micro_batch),
+            "optimizer_steps_per_iteration": -(-n // self.train.micro_batch)
+            * self.train.inner_epochs,
+            "algorithm": "CAST (spatial atom advantages)" if self.advantage.kind == "spatial"
+            else f"Flow-GRPO (scalar {self.advantage.reward} reward)",
+            "window": (f"calibrated: {self.window.size} steps ending at the formation step"
+                       if self.window.mode == "calibrated" else
+                       f"fixed: steps [{self.window.start}, "
+                       f"{self.window.start + self.window.size})"),
+            "lora_scale": self.train.lora_alpha / self.train.lora_rank,
+            "recipe_hash": self.content_hash()[:16],
+        }
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON of the whole recipe."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def section_hash(self, *names: str) -> str:
+        """sha256 of the canonical JSON of some sections (a stage's config part of its key)."""
+        dump = self.model_dump(mode="json")
+        text = json.dumps({n: dump[n] for n in names}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(recipe)"
+        given = e.get("input")
+        if e["type"] == "missing":
+            lines.append(f"  {field}: missing; add it")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"  {field}: unknown field (value {given!r}); remove it or fix its name")
+        else:
+            lines.append(f"  {field}: {e['msg']} (got {given!r})")
+    return "\n".join(lines)
+
+
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    """Validate a recipe dict; RecipeError lists every bad field with the allowed values."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(f"{source}: invalid recipe\n{_format_errors(e)}") from None
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Read and validate a TOML recipe; `overrides` maps dotted fields to values (e.g.
+    {"prompts.per_iteration": 4}), applied before validation."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file; recipes live in data/recipes/") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML: {e}") from None
+    for dotted, value in (overrides or {}).items():
+        *sections, leaf = dotted.split(".")
+        node = data
+        for name in sections:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"{path}: override {dotted!r}: {name!r} is not a section")
+        node[leaf] = value
+    return parse_recipe(data, str(path))

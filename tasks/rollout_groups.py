@@ -1,0 +1,128 @@
+"""Stage `rollout`: B prompts x G samples with the current policy, ODE outside and SDE inside the
+window; stores images, the window steps (latents, sampled next latents, per-position log-probs)
+and one `rollouts` row per sample.
+
+Prompts: B distinct prompts of this run's `csgs`, drawn with a generator seeded from (run seed,
+iteration): "tag_balanced" picks a tag uniformly, then a prompt of it; "uniform" picks prompts
+uniformly. Seeds: derive_seed(run seed, iteration, prompt id, sample index), so no draw depends
+on batch position. Blobs (content-addressed): `window steps` safetensors {x0, latents,
+next_latents, log_probs, t, t_next} with sample i at row i, `images` safetensors uint8 [N, 3, H, W]
+(row `blob_index` of each rollouts row), and a PNG contact sheet (one row per prompt).
+
+Cached on the policy hash, the window row, the chosen prompts and the sampling section.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from cast_core.rollout import RolloutSpec, rollout
+from cast_core.window import SdeWindow
+from tasks.calibrate_window import read_window
+from tasks.models import load_policy, set_threads
+from tasks.policy_state import policy_for
+from tasks.recipe import Recipe
+from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.store import Store
+
+STAGE = "rollout"
+
+
+def select_prompts(store: Store, recipe: Recipe, csgs: StageRef, iteration: int) -> list[dict]:
+    """The iteration's B prompt rows (prompt_id, prompt, tag, graph_json) in draw order."""
+    rows = pq.read_table(store.resolve(csgs.path_with("/csgs/"))).to_pylist()
+    rows.sort(key=lambda r: r["prompt_id"])
+    b = recipe.prompts.per_iteration
+    if b > len(rows):
+        raise ValueError(f"prompts.per_iteration = {b} but the train set has {len(rows)} prompts")
+    rng = np.random.default_rng(derive_seed(recipe.run.seed, "prompts", iteration))
+    if recipe.prompts.selection == "uniform":
+        return [rows[i] for i in rng.choice(len(rows), size=b, replace=False)]
+    by_tag: dict[str, list[dict]] = {}
+    for r in rows:
+        by_tag.setdefault(r["tag"] or "untagged", []).append(r)
+    tags, chosen, taken = sorted(by_tag), [], set()
+    while len(chosen) < b:
+        pool = [r for r in by_tag[tags[int(rng.integers(len(tags)))]] if r["prompt_id"] not in taken]
+        if pool:
+            pick = pool[int(rng.integers(len(pool)))]
+            chosen.append(pick)
+            taken.add(pick["prompt_id"])
+    return chosen
+
+
+def rollout_spec(recipe: Recipe, window_row: dict) -> RolloutSpec:
+    s = recipe.sampling
+    return RolloutSpec(num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+                       noise_level=s.noise_level, sde_kind=s.sde_kind,
+                       window=SdeWindow(window_row["window_start"], window_row["window_end"]))
+
+
+def _contact_sheet(images: torch.Tensor, columns: int) -> bytes:
+    """uint8 [N, 3, H, W] -> PNG bytes of a grid with `columns` images per row."""
+    from PIL import Image
+
+    n, _, h, w = images.shape
+    rows = -(-n // columns)
+    sheet = np.full((rows * (h + 1), columns * (w + 1), 3), 255, dtype=np.uint8)
+    for i, img in enumerate(images.permute(0, 2, 3, 1).numpy()):
+        r, c = divmod(i, columns)
+        sheet[r * (h + 1):r * (h + 1) + h, c * (w + 1):c * (w + 1) + w] = img
+    buffer = io.BytesIO()
+    Image.fromarray(sheet).resize((sheet.shape[1] * 2, sheet.shape[0] * 2), Image.NEAREST).save(
+        buffer, format="png")
+    return buffer.getvalue()
+
+
+def cache_key(store: Store, recipe: Recipe, csgs: StageRef, window: StageRef,
+              iteration: int) -> str:
+    policy = policy_for(store, recipe, iteration)
+    return make_key(STAGE, {"sampling": recipe.section_hash("sampling", "prompts"),
+                            "seed": recipe.run.seed, "iteration": iteration},
+                    {"policy": policy.policy_hash, "window": window.content_hash,
+                     "csgs": csgs.content_hash})
+
+
+def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRef,
+                   iteration: int) -> StageRef:
+    run_id, g = recipe.run.name, recipe.prompts.group_size
+
+    def body():
+        set_threads(recipe)
+        policy = policy_for(store, recipe, iteration)
+        lora = store.get_tensors(policy.lora_path) if policy.lora_path else None
+        backbone, _ = load_policy(recipe, lora)
+        window_row = read_window(store, window)
+        spec = rollout_spec(recipe, window_row)
+        picks = select_prompts(store, recipe, csgs, iteration)
+        prompts = [p["prompt"] for p in picks for _ in range(g)]
+        seeds = [derive_seed(recipe.run.seed, iteration, p["prompt_id"], j)
+                 for p in picks for j in range(g)]
+        result = rollout(backbone, prompts, seeds, spec, chunk_size=recipe.sampling.chunk_size)
+        images = (backbone.decode(result.x0) * 255).round().to(torch.uint8).cpu()  # [N, 3, H, W]
+        steps = store.put_tensors({"x0": result.x0, "latents": result.latents,
+                                   "next_latents": result.next_latents,
+                                   "log_probs": result.log_probs, "t": result.t,
+                                   "t_next": result.t_next})
+        image_blob = store.put_tensors({"images": images})
+        sheet = store.put_blob(_contact_sheet(images, g), "png")
+        rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": picks[i // g]["prompt_id"],
+                 "sample_index": i % g, "seed": seeds[i], "policy_hash": policy.policy_hash,
+                 "blob_index": i, "image_path": image_blob.path,
+                 "image_hash": hashlib.sha256(images[i].numpy().tobytes()).hexdigest(),
+                 "latents_path": steps.path, "latents_hash": steps.sha256,
+                 "window_start": spec.window.start, "window_end": spec.window.end,
+                 "num_steps": spec.num_steps} for i in range(len(prompts))]
+        table = store.write_table("rollouts", rows, f"{run_id}-{iteration:05d}")
+        return [steps, image_blob, sheet, table]
+
+    key = cache_key(store, recipe, csgs, window, iteration)
+    return run_stage(store, run_id, iteration, STAGE, key, body)
+
+
+rollout_task = stage_task(rollout_groups, STAGE, cache_key)

@@ -1,0 +1,154 @@
+"""What every stage shares: cache keys from content hashes, the completion-record protocol, the
+Prefect task wrapper, and seeds derived from ids.
+
+A stage is a pure function `run(...) -> StageRef` plus a thin Prefect task. `run_stage` is the
+protocol: if the store holds a valid completion record for (run, iteration, stage, cache key) the
+stage is skipped and its recorded outputs are returned; otherwise the body writes its tables and
+blobs (each atomically) and the completion row is written last. A crash therefore loses at most
+the stage in flight, and correctness never depends on Prefect's own cache.
+
+Cache keys are sha256 digests of canonical JSON: the stage name, the recipe sections it reads, the
+content hashes of its inputs (upstream stages' outputs, prompt files, weights) and the code version
+(a hash of the package's Python sources). The Prefect wrapper uses the same key for Prefect's
+result cache (results persisted as JSON under Prefect's local storage), but only once the store
+confirms the stage is done, so a Prefect cache hit can never stand in for outputs that are gone.
+
+Run-level stages (CSGs, window calibration) are recorded with iteration RUN_LEVEL (-1).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tasks.store import BlobRef, StageRecord, Store, TableRef
+
+RUN_LEVEL = -1
+_PACKAGES = ("cast_core", "tasks")
+
+
+@dataclass(frozen=True)
+class StageRef:
+    """The small result of a stage: what it wrote (paths relative to the store root), a combined
+    content hash of those outputs, their row count, and whether this call skipped the work."""
+
+    stage: str
+    iteration: int
+    cache_key: str
+    content_hash: str
+    rows: int
+    paths: tuple[str, ...]
+    skipped: bool
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "paths": list(self.paths)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageRef:
+        return cls(**{**data, "paths": tuple(data["paths"])})
+
+    def path_with(self, marker: str) -> str:
+        """The one output path containing `marker` (e.g. '/rollouts/' or '.safetensors')."""
+        hits = [p for p in self.paths if marker in p]
+        if len(hits) != 1:
+            raise KeyError(f"stage {self.stage!r} has {len(hits)} outputs matching {marker!r}: "
+                           f"{list(self.paths)}")
+        return hits[0]
+
+
+@functools.cache
+def code_version() -> str:
+    """sha256 over the Python sources of cast_core and tasks (relative path + bytes), 16 hex."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in _PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def make_key(stage: str, config: Any, inputs: dict[str, str]) -> str:
+    """The cache key of a stage call: sha256 of its config, input hashes and the code version."""
+    payload = {"stage": stage, "config": config, "inputs": inputs, "code": code_version()}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_hash(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tree_hash(folder: str | Path) -> str:
+    """sha256 over every file under a folder (relative path + content hash), e.g. a checkpoint."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder")
+    lines = [f"{p.relative_to(folder).as_posix()}\t{file_hash(p)}"
+             for p in sorted(folder.rglob("*")) if p.is_file()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from ids (run seed, iteration, prompt id, sample index, purpose...)."""
+    text = "|".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _ref(record: StageRecord, skipped: bool, seconds: float) -> StageRef:
+    return StageRef(record.stage, record.iteration, record.cache_key, record.content_hash,
+                    record.rows, tuple(record.paths), skipped, seconds)
+
+
+def run_stage(store: Store, run_id: str, iteration: int, stage: str, cache_key: str,
+              body: Callable[[], Sequence[TableRef | BlobRef]]) -> StageRef:
+    """Skip if done (valid completion record), else run `body` and record completion last."""
+    t0 = time.perf_counter()
+    done = store.stage_done(run_id, iteration, stage, cache_key)
+    if done is not None:
+        return _ref(done, skipped=True, seconds=time.perf_counter() - t0)
+    started = datetime.now(UTC)
+    refs = list(body())
+    store.record_stage(run_id, iteration, stage, cache_key, refs, code_version=code_version(),
+                       started_at=started)
+    record = store.stage_done(run_id, iteration, stage, cache_key)
+    if record is None:
+        raise RuntimeError(f"stage {stage!r} wrote its record but it does not validate: a path it "
+                           f"names is missing under {store.root}")
+    return _ref(record, skipped=False, seconds=time.perf_counter() - t0)
+
+
+def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., str]):
+    """The Prefect task of a stage function `fn(store, recipe, ...) -> StageRef`.
+
+    Prefect's result cache is keyed on `key_fn` (the stage's content-hash key, called with the
+    parameters it names) but only once the store confirms the stage is done; results are
+    persisted as JSON (never pickle) under Prefect's local storage path.
+    """
+    from prefect import task
+
+    names = list(inspect.signature(key_fn).parameters)
+
+    def cache_key_fn(context, parameters) -> str | None:
+        store, recipe = parameters["store"], parameters["recipe"]
+        key = key_fn(**{n: parameters[n] for n in names})
+        iteration = parameters.get("iteration", RUN_LEVEL)
+        if store.stage_done(recipe.run.name, iteration, stage, key) is None:
+            return None
+        return f"{recipe.run.name}-{iteration}-{stage}-{key}"
+
+    return task(fn, name=stage, cache_key_fn=cache_key_fn, persist_result=True,
+                result_serializer="json")
