@@ -85,8 +85,11 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
                                                         ).view(hh, ww)
         adv = atom_advantages(s, mask, cfg.std_floor)
         a = adv.advantages
+        gated = torch.zeros_like(a, dtype=torch.bool)  # [B, G, A]
         if cfg.gate_by_parents:
-            a = gate_by_parents(a, s, _parents(store, run_id, prompt_ids, atom_ids, a_max))
+            parents = _parents(store, run_id, prompt_ids, atom_ids, a_max)
+            a = gate_by_parents(a, s, parents)
+            gated = gate_by_parents(torch.ones_like(a), s, parents) == 0
         rewards = atom_reward(s, mask, cfg.reward)  # [B, G]
         scalar = scalar_advantages(rewards, cfg.scalar_mode, cfg.std_floor)
         pix = pixel_advantage_map(a.reshape(b * g, a_max).float(),
@@ -105,7 +108,7 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
                               "group_mean": float(adv.mean[bi, ai]),
                               "group_std": float(adv.std[bi, ai]),
                               "zero_variance": bool(adv.zero_variance[bi, ai]),
-                              "gated": bool(a[bi, gi, ai] == 0 and adv.advantages[bi, gi, ai] != 0)}
+                              "gated": bool(gated[bi, gi, ai])}
                              for ai, atom in enumerate(atom_ids[bi])]
                 map_rows.append({**keys, "reward": float(rewards[bi, gi]),
                                  "scalar_advantage": float(scalar.advantages[bi, gi]),

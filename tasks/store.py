@@ -11,7 +11,8 @@ Every file appears under its final name only when complete: it is written to a t
 the same directory (a dot-name that no glob matches), fsynced, then `os.replace`d, so a crash
 leaves the old file or the new one, never half of one. Paths in refs and tables are POSIX paths
 relative to the root. A stage is done when its `stages` row exists and every path that row names
-exists; stages write that row last. Views read their files at query time, so a part written after
+exists with the content it had when the row was written (combined sha256); stages write that row
+last. Views read their files at query time, so a part written after
 a refresh is already listed; only a table's first part needs a refresh (its view is empty until).
 """
 
@@ -170,7 +171,7 @@ class Store:
         record = _record(pq.read_table(part).to_pylist()[0])
         same = (record.run_id, record.iteration, record.stage, record.cache_key) == (
             run_id, iteration, stage, cache_key)
-        return record if same and self._paths_exist(record) else None
+        return record if same and self._outputs_intact(record) else None
 
     def last_finished_iteration(self, run_id: str, stage: str) -> int:
         """The largest iteration whose `stage` record is valid (paths exist); -1 if none."""
@@ -213,6 +214,14 @@ class Store:
 
     def _paths_exist(self, record: StageRecord) -> bool:
         return all(self.resolve(p).exists() for p in record.paths)
+
+    def _outputs_intact(self, record: StageRecord) -> bool:
+        """Every path exists and still holds the bytes the stage wrote (a later run of the same
+        run id under another config may have rewritten a table part)."""
+        if not self._paths_exist(record):
+            return False
+        refs = [BlobRef(p, _file_sha256(self.resolve(p))) for p in record.paths]
+        return combined_hash(refs) == record.content_hash
 
     def _relative(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
@@ -268,6 +277,14 @@ def _atomic_write(final: Path, write: Callable[[str], None]) -> str:
     finally:
         os.close(directory)
     return digest
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _fsync_and_hash(path: Path) -> str:

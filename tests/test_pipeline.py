@@ -1,0 +1,304 @@
+"""The CAST stages end to end on the CI recipe (4 prompts x 4 samples, 6 steps, one thread), called
+directly without Prefect: declared schemas, row counts, advantages, the LoRA update, resume by
+skipping, a second iteration, the Flow-GRPO variant, the catalog, and the NaN guard."""
+
+import dataclasses
+import math
+import shutil
+from collections import defaultdict
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from pipeline_helpers import (
+    FLOW_GRPO,
+    ITERATION_TABLES,
+    STAGES,
+    assert_declared_schemas,
+    ci_recipe,
+    reference,
+    run_iteration,
+    temp_files,
+)
+from safetensors import safe_open
+
+from tasks.calibrate_window import calibrate_window, read_window
+from tasks.models import load_base, load_policy
+from tasks.policy_state import policy_for
+from tasks.stage import file_hash
+from tasks.store import Store
+from tasks.train_epoch import train_epoch
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """(store, recipe, prompts, refs) of iteration 0 of the session's reference run."""
+    return reference(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def second(ref):
+    """StageRefs of iteration 1 in the reference store."""
+    store, recipe, _, _ = ref
+    return run_iteration(store, recipe, 1)
+
+
+def _rows(store, table, iteration=0):
+    return store.read_table(table, {"iteration": iteration}).to_pylist()
+
+
+def _snapshot(store):
+    return {p.relative_to(store.root).as_posix(): p.stat().st_mtime_ns
+            for p in store.root.rglob("*") if p.is_file()}
+
+
+def test_one_iteration_writes_every_stage(ref):
+    store, recipe, _, refs = ref
+    assert list(refs) == list(STAGES)
+    for stage, r in refs.items():
+        assert r.stage == stage and not r.skipped
+        assert r.iteration == (-1 if stage in ("build_csgs", "calibrate_window") else 0)
+        assert all(store.resolve(p).is_file() for p in r.paths)
+        assert store.stage_done(recipe.run.name, r.iteration, stage, r.cache_key) is not None
+    assert temp_files(store.root) == []
+
+
+def test_parquet_files_have_the_declared_schema(ref, second):
+    store = ref[0]
+    written = {p.parent.name for p in store.root.glob("tables/*/*.parquet")}
+    assert {"stages", "csgs", "atoms", "calibration_curves", "windows", *ITERATION_TABLES} \
+        <= written
+    assert assert_declared_schemas(store.root) >= len(written)
+
+
+def test_rollouts_are_b_times_g_with_distinct_seeds(ref):
+    store, recipe, _, refs = ref
+    rows = _rows(store, "rollouts")
+    b, g = recipe.prompts.per_iteration, recipe.prompts.group_size
+    assert len(rows) == b * g == refs["rollout"].rows
+    assert len({r["seed"] for r in rows}) == b * g
+    assert len({r["prompt_id"] for r in rows}) == b
+    assert sorted(r["blob_index"] for r in rows) == list(range(b * g))
+    for pid in {r["prompt_id"] for r in rows}:
+        assert sorted(r["sample_index"] for r in rows if r["prompt_id"] == pid) == list(range(g))
+    window = store.read_table("windows").to_pylist()[0]
+    assert {(r["window_start"], r["window_end"], r["num_steps"]) for r in rows} == {
+        (window["window_start"], window["window_end"], recipe.sampling.num_steps)}
+    images = store.get_tensors(rows[0]["image_path"])["images"]  # [N, 3, H, W] uint8
+    assert images.dtype == torch.uint8 and images.shape[0] == b * g
+
+
+def test_atom_scores_cover_every_atom_with_full_heatmaps(ref):
+    store = ref[0]
+    num_atoms = {r["prompt_id"]: r["num_atoms"] for r in store.read_table("csgs").to_pylist()}
+    samples = _rows(store, "rollouts")
+    scores = _rows(store, "atom_scores")
+    assert len(scores) == sum(num_atoms[s["prompt_id"]] for s in samples)
+    atoms = {(r["prompt_id"], r["atom_id"]): r["type"]
+             for r in store.read_table("atoms").to_pylist()}
+    for r in scores:
+        assert len(r["heatmap"]) == r["heatmap_h"] * r["heatmap_w"] > 0
+        assert all(math.isfinite(v) for v in r["heatmap"])
+        assert 0.0 <= r["score"] <= 1.0
+        assert atoms[(r["prompt_id"], r["atom_id"])] == r["atom_type"]
+    keys = {(r["prompt_id"], r["sample_index"], r["atom_id"]) for r in scores}
+    assert len(keys) == len(scores)
+
+
+def test_advantages_are_group_z_scores(ref):
+    store, recipe, _, _ = ref
+    score = {(r["prompt_id"], r["sample_index"], r["atom_id"]): r["score"]
+             for r in _rows(store, "atom_scores")}
+    groups = defaultdict(list)
+    for r in _rows(store, "advantages"):
+        groups[(r["prompt_id"], r["atom_id"])].append(r)
+    assert len(score) == sum(len(rows) for rows in groups.values())
+    g, floor, live = recipe.prompts.group_size, recipe.advantage.std_floor, 0
+    for (pid, atom), rows in groups.items():
+        assert len(rows) == g
+        s = torch.tensor([score[(pid, r["sample_index"], atom)] for r in rows], dtype=torch.float64)
+        assert rows[0]["group_mean"] == pytest.approx(float(s.mean()), abs=1e-9)
+        assert rows[0]["group_std"] == pytest.approx(float(s.std(correction=0)), abs=1e-9)
+        if rows[0]["zero_variance"]:
+            assert all(r["advantage"] == 0.0 for r in rows)
+            continue
+        live += 1
+        z = (s - s.mean()) / max(float(s.std(correction=0)), floor)
+        assert float(z.mean()) == pytest.approx(0.0, abs=1e-9)
+        for r, z_i in zip(rows, z.tolist()):
+            assert r["advantage"] == pytest.approx(0.0 if r["gated"] else z_i, abs=1e-9)
+        if not any(r["gated"] for r in rows):
+            assert sum(r["advantage"] for r in rows) / g == pytest.approx(0.0, abs=1e-9)
+    assert live > 0, "every atom group had zero variance: the check above tested nothing"
+
+
+def test_advantage_maps_match_the_log_prob_grid(ref):
+    store, recipe, _, _ = ref
+    samples = _rows(store, "rollouts")
+    with safe_open(str(store.resolve(samples[0]["latents_path"])), framework="pt") as f:
+        n, k, h, w = f.get_slice("log_probs").get_shape()
+    window = samples[0]["window_end"] - samples[0]["window_start"]
+    assert (n, k) == (len(samples), window)
+    rows = _rows(store, "advantage_maps")
+    assert len(rows) == n
+    assert {(r["map_h"], r["map_w"]) for r in rows} == {(h, w)}
+    blob = store.get_tensors(rows[0]["map_path"])
+    assert tuple(blob["maps"].shape) == (n, h, w)
+    assert tuple(blob["scalar"].shape) == (n,)
+    assert torch.isfinite(blob["maps"]).all()
+    by_prompt = defaultdict(list)
+    for r in rows:
+        assert blob["scalar"][r["blob_index"]].item() == pytest.approx(r["scalar_advantage"])
+        by_prompt[r["prompt_id"]].append(r["scalar_advantage"])
+    for values in by_prompt.values():
+        assert len(values) == recipe.prompts.group_size
+        assert sum(values) / len(values) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_train_epoch_updates_lora_only(ref):
+    store, recipe, _, refs = ref
+    checkpoints = _rows(store, "checkpoints")
+    assert len(checkpoints) == 1
+    ckpt = checkpoints[0]
+    assert ckpt["lora_path"] in refs["train_epoch"].paths
+    assert ckpt["lora_path"].endswith(f"/{ckpt['policy_hash']}.safetensors")
+    trained = store.get_tensors(ckpt["lora_path"])
+    init, _ = load_policy(recipe, None)
+    init_lora = {n: p.detach() for n, p in init.named_parameters() if p.requires_grad}
+    assert set(trained) == set(init_lora) and all("lora" in n for n in trained)
+    changed = [n for n in trained if not torch.equal(trained[n], init_lora[n])]
+    assert changed, "no LoRA parameter changed in training"
+    policy, _ = load_policy(recipe, trained)
+    base = dict(load_base(recipe).named_parameters())
+    frozen = {n: p for n, p in policy.named_parameters() if not p.requires_grad}
+    assert frozen
+    for name, p in frozen.items():
+        base_name = name.replace(".base_layer", "")
+        assert torch.equal(p, base[base_name]), name
+    steps = sorted(_rows(store, "train_steps"), key=lambda r: r["step"])
+    n = recipe.prompts.per_iteration * recipe.prompts.group_size
+    assert len(steps) == recipe.derived()["micro_batches_per_epoch"] == -(-n // 8)
+    assert abs(steps[0]["ratio_mean"] - 1.0) <= 1e-3
+    assert not any(s["skipped"] for s in steps)
+    assert ckpt["optimizer_steps"] == len(steps)
+
+
+def test_second_iteration_starts_from_the_first_checkpoint(ref, second):
+    store, recipe, _, _ = ref
+    assert not any(r.skipped for s, r in second.items() if s not in ("build_csgs",
+                                                                       "calibrate_window"))
+    assert second["build_csgs"].skipped and second["calibrate_window"].skipped
+    ckpt0 = _rows(store, "checkpoints", 0)[0]
+    rollouts1 = _rows(store, "rollouts", 1)
+    assert {r["policy_hash"] for r in rollouts1} == {ckpt0["policy_hash"]}
+    assert {r["policy_hash"] for r in _rows(store, "rollouts", 0)} != {ckpt0["policy_hash"]}
+    assert policy_for(store, recipe, 1).lora_path == ckpt0["lora_path"]
+    seeds0 = {r["seed"] for r in _rows(store, "rollouts", 0)}
+    assert not seeds0 & {r["seed"] for r in rollouts1}
+    ckpt1 = _rows(store, "checkpoints", 1)[0]
+    steps = _rows(store, "train_steps", 0) + _rows(store, "train_steps", 1)
+    assert ckpt1["optimizer_steps"] == len(steps)
+    assert sorted(s["step"] for s in steps) == list(range(len(steps)))
+
+
+def test_rerunning_finished_stages_skips_and_writes_nothing(ref, second):
+    store, recipe, _, refs = ref
+    before = _snapshot(store)
+    again = {0: run_iteration(store, recipe, 0), 1: run_iteration(store, recipe, 1)}
+    assert _snapshot(store) == before
+    for k, first in ((0, refs), (1, second)):
+        for stage, r in again[k].items():
+            assert r.skipped, (k, stage)
+            assert (r.cache_key, r.content_hash, r.paths) == (
+                first[stage].cache_key, first[stage].content_hash, first[stage].paths)
+
+
+def test_catalog_joins_scores_to_atoms_and_rollouts(ref, second):
+    store, recipe, _, _ = ref
+    store.refresh_catalog()
+    con = store.connect_readonly()
+    try:
+        joined = con.execute("""
+            SELECT s.iteration, count(*), count(DISTINCT r.seed),
+                   count(*) FILTER (WHERE s.atom_type <> a.type)
+            FROM atom_scores s
+            JOIN atoms a ON a.run_id = s.run_id AND a.prompt_id = s.prompt_id
+                        AND a.atom_id = s.atom_id
+            JOIN rollouts r ON r.run_id = s.run_id AND r.iteration = s.iteration
+                           AND r.prompt_id = s.prompt_id AND r.sample_index = s.sample_index
+            WHERE s.run_id = $run GROUP BY s.iteration ORDER BY s.iteration""",
+                             {"run": recipe.run.name}).fetchall()
+    finally:
+        con.close()
+    n = recipe.prompts.per_iteration * recipe.prompts.group_size
+    expected = [(k, len(_rows(store, "atom_scores", k)), n, 0) for k in (0, 1)]
+    assert joined == expected
+
+
+def test_flow_grpo_variant_runs_one_iteration(ref, tmp_path):
+    prompts = ref[2]
+    recipe = ci_recipe(prompts, **FLOW_GRPO)
+    store = Store(tmp_path / "store")
+    refs = run_iteration(store, recipe, 0)
+    assert not any(r.skipped for r in refs.values())
+    window = store.read_table("windows").to_pylist()[0]
+    assert (window["method"], window["window_start"], window["window_end"]) == ("fixed", 0, 3)
+    assert store.read_table("calibration_curves").num_rows == 0
+    assert {(r["window_start"], r["window_end"]) for r in _rows(store, "rollouts")} == {(0, 3)}
+    steps = sorted(_rows(store, "train_steps"), key=lambda r: r["step"])
+    assert abs(steps[0]["ratio_mean"] - 1.0) <= 1e-3
+    assert not any(s["skipped"] for s in steps)
+    assert len(_rows(store, "checkpoints")) == 1
+    assert_declared_schemas(store.root)
+    init, _ = load_policy(recipe, None)
+    trained = store.get_tensors(_rows(store, "checkpoints")[0]["lora_path"])
+    assert any(not torch.equal(trained[n], p) for n, p in init.named_parameters()
+               if p.requires_grad)
+
+
+def test_nan_advantage_skips_only_its_micro_batch(ref, tmp_path):
+    """The NaN guard through the real train_epoch: one sample's advantage map is NaN; the
+    micro-batch holding it is skipped (loss null, reason recorded), the other one steps."""
+    src, recipe, _, refs = ref
+    shutil.copytree(src.root, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    ad = refs["compute_advantages"]
+    rows = pq.read_table(store.resolve(ad.path_with("/advantage_maps/"))).to_pylist()
+    blob = store.get_tensors(rows[0]["map_path"])
+    blob["maps"][5] = float("nan")
+    poisoned = store.put_tensors(blob)
+    for r in rows:
+        r |= {"map_path": poisoned.path, "map_hash": poisoned.sha256}
+    table = store.write_table("advantage_maps", rows, "poisoned-00000")
+    bad = dataclasses.replace(ad, content_hash="poisoned", paths=(
+        poisoned.path, ad.path_with("/advantages/"), table.path))
+    result = train_epoch(store, recipe, refs["build_csgs"], refs["rollout"], refs["score_atoms"],
+                         bad, 0)
+    assert not result.skipped
+    steps = sorted(store.read_table("train_steps", {"iteration": 0}).to_pylist(),
+                   key=lambda r: r["step"])
+    assert [s["skipped"] for s in steps].count(True) == 1
+    skipped = next(s for s in steps if s["skipped"])
+    kept = next(s for s in steps if not s["skipped"])
+    assert skipped["skip_reason"] == "non-finite loss"
+    assert skipped["loss"] is None and skipped["ratio_mean"] is None
+    assert math.isfinite(kept["loss"]) and kept["skip_reason"] is None
+    ckpt = store.read_table("checkpoints", {"iteration": 0}).to_pylist()[0]
+    assert ckpt["optimizer_steps"] == 1
+    trained = store.get_tensors(ckpt["lora_path"])
+    assert all(torch.isfinite(t).all() for t in trained.values())
+
+
+def test_skipped_stage_reads_its_own_outputs_after_a_config_change(ref, tmp_path):
+    src, recipe, prompts, refs = ref
+    shutil.copytree(src.root, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    calibrated = read_window(store, refs["calibrate_window"])
+    calibrate_window(store, ci_recipe(prompts, **{"window.mode": "fixed", "window.start": 1}))
+    again = calibrate_window(store, recipe)  # the original recipe: its record still exists
+    assert read_window(store, again) == calibrated
+    record = store.stage_done(recipe.run.name, again.iteration, again.stage, again.cache_key)
+    assert record is not None and record.content_hash == again.content_hash
+    windows = store.resolve(again.path_with("/windows/"))
+    assert file_hash(windows) == file_hash(src.resolve(refs["calibrate_window"]
+                                                       .path_with("/windows/")))

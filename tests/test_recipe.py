@@ -1,0 +1,168 @@
+"""Recipes: the committed ones load; every kind of bad input raises RecipeError naming the file,
+the field and what is allowed; derived quantities and overrides."""
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from tasks.recipe import RecipeError, load_recipe, parse_recipe
+
+RECIPES = Path(__file__).resolve().parents[1] / "data" / "recipes"
+CI = RECIPES / "shapes-ci.toml"
+
+
+def _variant(tmp_path: Path, old: str, new: str, name: str = "variant.toml") -> Path:
+    """A copy of the CI recipe with one exact piece of text replaced."""
+    text = CI.read_text()
+    assert text.count(old) == 1, f"{old!r} must occur once in {CI}"
+    path = tmp_path / name
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def _error(path: Path, overrides: dict | None = None) -> str:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name, kind, mode, b, g", [
+    ("shapes-cast", "spatial", "calibrated", 16, 8),
+    ("shapes-flowgrpo", "scalar", "fixed", 16, 8),
+    ("shapes-ci", "spatial", "calibrated", 4, 4),
+])
+def test_committed_recipes_load(name, kind, mode, b, g):
+    recipe = load_recipe(RECIPES / f"{name}.toml")
+    assert recipe.run.name == name
+    assert (recipe.advantage.kind, recipe.window.mode) == (kind, mode)
+    assert (recipe.prompts.per_iteration, recipe.prompts.group_size) == (b, g)
+    assert recipe.window.size <= recipe.sampling.num_steps
+    assert Path(recipe.backbone.path).parts[-1] == "shapes-base"
+    assert load_recipe(RECIPES / f"{name}.toml").content_hash() == recipe.content_hash()
+
+
+def test_committed_recipes_differ_and_are_frozen():
+    recipes = [load_recipe(p) for p in sorted(RECIPES.glob("*.toml"))]
+    assert len(recipes) == 3
+    assert len({r.content_hash() for r in recipes}) == 3
+    with pytest.raises(pydantic.ValidationError):
+        recipes[0].prompts.group_size = 3
+
+
+def test_wrong_value_names_field_and_allowed_values(tmp_path):
+    path = _variant(tmp_path, 'kind = "spatial"', 'kind = "spacial"')
+    message = _error(path)
+    assert str(path) in message
+    assert "advantage.kind" in message
+    assert "'spatial'" in message and "'scalar'" in message
+    assert "'spacial'" in message
+
+
+def test_missing_field_is_named(tmp_path):
+    path = _variant(tmp_path, "group_size = 4\n", "")
+    message = _error(path)
+    assert str(path) in message
+    assert "prompts.group_size" in message and "missing" in message
+
+
+def test_unknown_field_is_named(tmp_path):
+    path = _variant(tmp_path, "kl_beta = 0.0\n", "kl_beta = 0.0\nlr_decay = 0.5\n")
+    message = _error(path)
+    assert "train.lr_decay" in message and "unknown field" in message
+
+
+def test_unknown_section_is_named(tmp_path):
+    path = _variant(tmp_path, "[scorer]", "[extras]\nx = 1\n\n[scorer]")
+    assert "extras: unknown field" in _error(path)
+
+
+def test_every_bad_field_is_listed(tmp_path):
+    path = _variant(tmp_path, "group_size = 4\n", "group_size = 1\n")
+    message = _error(path, {"sampling.sde_kind": "ode", "train.lr": -1.0})
+    for field in ("prompts.group_size", "sampling.sde_kind", "train.lr"):
+        assert field in message
+    assert "'flow_sde'" in message and "'cps'" in message
+
+
+def test_window_larger_than_the_schedule(tmp_path):
+    message = _error(CI, {"window.size": 10})
+    assert "window.size (10) exceeds sampling.num_steps (6)" in message
+    assert "at most 6 steps" in message
+
+
+def test_fixed_window_past_the_end():
+    message = _error(CI, {"window.mode": "fixed", "window.start": 4, "window.size": 3})
+    assert "does not fit in sampling.num_steps=6" in message
+    assert "window.start" in message
+    ok = load_recipe(CI, {"window.mode": "fixed", "window.start": 3, "window.size": 3})
+    assert (ok.window.start, ok.window.size) == (3, 3)
+
+
+def test_not_valid_toml_names_the_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text('[run]\nname = "x"\n[prompts\nper_iteration = 4\n')
+    message = _error(path)
+    assert str(path) in message and "not valid TOML" in message
+
+
+def test_missing_file_names_the_file(tmp_path):
+    path = tmp_path / "nope.toml"
+    message = _error(path)
+    assert str(path) in message and "no such recipe file" in message
+
+
+def test_derived_values():
+    cast = load_recipe(RECIPES / "shapes-cast.toml").derived()
+    b, g, micro = 16, 8, 16
+    assert cast["samples_per_iteration"] == b * g
+    assert cast["micro_batches_per_epoch"] == b * g // micro
+    assert cast["optimizer_steps_per_iteration"] == b * g // micro * 1
+    assert cast["lora_scale"] == 8.0 / 8
+    assert cast["run_id"] == "shapes-cast"
+    assert cast["algorithm"].startswith("CAST")
+    assert cast["window"].startswith("calibrated: 3 steps")
+    grpo = load_recipe(RECIPES / "shapes-flowgrpo.toml")
+    derived = grpo.derived()
+    assert derived["algorithm"] == "Flow-GRPO (scalar mean reward)"
+    assert derived["window"] == "fixed: steps [0, 3)"
+    assert derived["recipe_hash"] == grpo.content_hash()[:16]
+
+
+def test_derived_rounds_micro_batches_up():
+    recipe = load_recipe(CI, {"train.micro_batch": 5, "train.inner_epochs": 3,
+                              "train.lora_alpha": 4.0})
+    derived = recipe.derived()
+    assert derived["samples_per_iteration"] == 16
+    assert derived["micro_batches_per_epoch"] == 4  # ceil(16 / 5)
+    assert derived["optimizer_steps_per_iteration"] == 4 * 3
+    assert derived["lora_scale"] == 4.0 / 8
+
+
+def test_overrides_apply_before_validation():
+    base = load_recipe(CI)
+    recipe = load_recipe(CI, {"run.threads": 1, "prompts.per_iteration": 2,
+                              "advantage.kind": "scalar", "run.name": "ci-small"})
+    assert (recipe.run.threads, recipe.prompts.per_iteration) == (1, 2)
+    assert recipe.advantage.kind == "scalar" and recipe.run.name == "ci-small"
+    assert recipe.prompts.group_size == base.prompts.group_size
+    assert recipe.content_hash() != base.content_hash()
+    assert recipe.section_hash("train") == base.section_hash("train")
+    assert recipe.section_hash("advantage") != base.section_hash("advantage")
+    assert recipe.derived()["samples_per_iteration"] == 2 * 4
+
+
+def test_bad_overrides_are_named():
+    assert "advantage.kind" in _error(CI, {"advantage.kind": "spacial"})
+    assert "train.bogus: unknown field" in _error(CI, {"train.bogus": 1})
+    assert "'name' is not a section" in _error(CI, {"run.name.first": "x"})
+    assert "window.size" in _error(CI, {"window.size": 0})
+
+
+def test_parse_recipe_names_its_source():
+    with pytest.raises(RecipeError) as info:
+        parse_recipe({"run": {"name": "x"}}, "inline-recipe")
+    message = str(info.value)
+    assert message.startswith("inline-recipe: invalid recipe")
+    for section in ("backbone", "scorer", "prompts", "sampling", "window", "train"):
+        assert f"{section}: missing" in message
