@@ -38,7 +38,7 @@ guard, first-step ratio check); the CAST paper's code is not public.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -249,11 +249,13 @@ def policy_update(
     advantages: Tensor,
     config: PolicyConfig,
     shuffle_seed: int | None = None,
+    on_step: Callable[[UpdateStep], None] | None = None,
 ) -> list[UpdateStep]:
     """Inner epochs x micro-batches of clipped-objective steps on the rollout's window steps.
 
     prompts: N; rollout: N samples, K steps; advantages: [N, h, w] (spatial, on the log-prob grid)
-    or [N] (scalar). Returns one UpdateStep per micro-batch, in order.
+    or [N] (scalar). Returns one UpdateStep per micro-batch, in order; `on_step` (e.g. a progress
+    bar) is called with each one as it is made.
     """
     n = rollout.latents.shape[0]
     if len(prompts) != n:
@@ -277,4 +279,6 @@ def policy_update(
                 config,
             )
             records.append(_guarded_step(optimizer, params, full, kl, config, epoch, mb, records))
+            if on_step is not None:
+                on_step(records[-1])
     return records

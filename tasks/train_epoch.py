@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import Rollout, RolloutSpec
@@ -132,8 +133,16 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         config = PolicyConfig(advantage=recipe.advantage.kind, clip_range=tr.clip_range,
                               kl_beta=tr.kl_beta, inner_epochs=tr.inner_epochs,
                               micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
-        updates = policy_update(backbone, optimizer, prompts, rollout, spec, adv[index], config,
-                                shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration))
+        total = -(-len(rows) // tr.micro_batch) * tr.inner_epochs
+        with tqdm(total=total, desc=f"train {iteration}", unit="step", mininterval=1.0) as bar:
+            def show(u) -> None:
+                bar.set_postfix(loss="skipped" if u.skipped else f"{u.loss:.4f}",
+                                clip=f"{u.clip_fraction:.3f}")
+                bar.update()
+
+            updates = policy_update(backbone, optimizer, prompts, rollout, spec, adv[index],
+                                    config, shuffle_seed=derive_seed(recipe.run.seed, "shuffle",
+                                                                     iteration), on_step=show)
         first = updates[0]
         if first.first_ratio_ok is False:
             _logger().warning(
