@@ -105,6 +105,14 @@ def test_training_times_lie_in_the_open_interval():
     assert abs(float(t.mean()) - 0.5) < 0.02
 
 
+def test_training_time_shift_is_the_sd3_map_of_the_same_draws():
+    plain = sample_t(1000, 0.2, torch.Generator().manual_seed(3))
+    shifted = sample_t(1000, 0.2, torch.Generator().manual_seed(3), shift=3.0)
+    expected = (3 * plain / (1 + 2 * plain)).clamp(1e-4, 1 - 1e-4)
+    assert torch.allclose(shifted, expected, atol=1e-6)
+    assert float(shifted.median()) > 0.7  # the median 0.5 maps to 0.75
+
+
 def test_resumed_training_equals_uninterrupted(tmp_path):
     prompts = tmp_path / "train.jsonl"
     prompts.write_text(json.dumps(RECORD) + "\n")
