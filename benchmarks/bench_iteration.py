@@ -237,7 +237,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    from tasks.recipe import parse_overrides
+
+    overrides = parse_overrides(args.set)
     if args.threads is not None:
         overrides["run.threads"] = args.threads
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-iteration-")).resolve()

@@ -16,7 +16,7 @@ from prefect import flow
 from tasks.build_csgs import build_csgs_task
 from tasks.calibrate_window import calibrate_window_task
 from tasks.compute_advantages import compute_advantages_task
-from tasks.recipe import load_recipe
+from tasks.recipe import load_recipe, parse_overrides
 from tasks.report import iteration_report_task, next_iteration_task, store_root
 from tasks.rollout_groups import rollout_task
 from tasks.score_atoms import score_atoms_task
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                         help="override a recipe field, e.g. --set prompts.per_iteration=4")
     args = parser.parse_args(argv)
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = parse_overrides(args.set)
     for _ in range(args.iterations):
         cast(recipe=args.recipe, iteration=args.iteration, store=args.store,
              overrides=overrides or None)

@@ -9,12 +9,11 @@ Deployed as `cast-eval/nightly` with a nightly cron schedule (prefect.yaml).
 from __future__ import annotations
 
 import argparse
-import json
 
 from prefect import flow
 
 from tasks.evaluate_checkpoint import eval_report_task, evaluate_task, latest_checkpoint_task
-from tasks.recipe import load_recipe
+from tasks.recipe import load_recipe, parse_overrides
 from tasks.report import store_root
 from tasks.store import Store
 
@@ -38,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store", default=None)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON")
     args = parser.parse_args(argv)
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = parse_overrides(args.set)
     cast_eval(recipe=args.recipe, iteration=args.iteration, store=args.store,
               overrides=overrides or None)
 

@@ -23,7 +23,7 @@ from tasks.evaluate import content_seed
 from tasks.models import build_graph, load_policy, scorer, set_threads
 from tasks.policy_state import policy_for
 from tasks.recipe import Recipe
-from tasks.rollout_groups import _contact_sheet
+from tasks.rollout_groups import contact_sheet
 from tasks.stage import StageRef, file_hash, make_key, run_stage, stage_task
 from tasks.store import Store
 
@@ -110,7 +110,7 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
                       "diversity": None}
                      for kind, (acc, mean) in summarise_by_atom_type(results).items()]
             grid = (images[:64] * 255).round().to(torch.uint8)
-            refs.append(store.put_blob(_contact_sheet(grid, ev.images_per_prompt), "png"))
+            refs.append(store.put_blob(contact_sheet(grid, ev.images_per_prompt), "png"))
         refs.append(store.put_blob(_plot(rows, f"{run_id}: iteration {iteration}"), "png"))
         refs.append(store.write_table("evals", rows, f"{run_id}-{iteration:05d}"))
         return refs

@@ -188,6 +188,23 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         raise RecipeError(f"{source}: invalid recipe\n{_format_errors(e)}") from None
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Command-line overrides ["prompts.per_iteration=4", 'run.name="x"'] -> {field: value}; each
+    value is JSON (strings in double quotes)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        field, sep, text = item.partition("=")
+        if not sep or not field:
+            raise RecipeError(f"override {item!r} must look like FIELD=VALUE, e.g. "
+                              f"prompts.per_iteration=4")
+        try:
+            out[field] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"override {item!r}: the value is not JSON ({e}); quote strings, "
+                              f"e.g. {field}='\"text\"'") from None
+    return out
+
+
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
     """Read and validate a TOML recipe; `overrides` maps dotted fields to values (e.g.
     {"prompts.per_iteration": 4}), applied before validation."""

@@ -63,7 +63,7 @@ def rollout_spec(recipe: Recipe, window_row: dict) -> RolloutSpec:
                        window=SdeWindow(window_row["window_start"], window_row["window_end"]))
 
 
-def _contact_sheet(images: torch.Tensor, columns: int) -> bytes:
+def contact_sheet(images: torch.Tensor, columns: int) -> bytes:
     """uint8 [N, 3, H, W] -> PNG bytes of a grid with `columns` images per row."""
     from PIL import Image
 
@@ -110,7 +110,7 @@ def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRe
                                    "log_probs": result.log_probs, "t": result.t,
                                    "t_next": result.t_next})
         image_blob = store.put_tensors({"images": images})
-        sheet = store.put_blob(_contact_sheet(images, g), "png")
+        sheet = store.put_blob(contact_sheet(images, g), "png")
         rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": picks[i // g]["prompt_id"],
                  "sample_index": i % g, "seed": seeds[i], "policy_hash": policy.policy_hash,
                  "blob_index": i, "image_path": image_blob.path,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.store import BlobRef, StageRecord, Store, TableRef
+from tasks.store import file_sha256 as file_hash
 
 RUN_LEVEL = -1
 _PACKAGES = ("cast_core", "tasks")
@@ -82,14 +83,6 @@ def make_key(stage: str, config: Any, inputs: dict[str, str]) -> str:
     payload = {"stage": stage, "config": config, "inputs": inputs, "code": code_version()}
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def file_hash(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tree_hash(folder: str | Path) -> str:

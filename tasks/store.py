@@ -220,7 +220,7 @@ class Store:
         run id under another config may have rewritten a table part)."""
         if not self._paths_exist(record):
             return False
-        refs = [BlobRef(p, _file_sha256(self.resolve(p))) for p in record.paths]
+        refs = [BlobRef(p, file_sha256(self.resolve(p))) for p in record.paths]
         return combined_hash(refs) == record.content_hash
 
     def _relative(self, path: Path) -> str:
@@ -279,7 +279,8 @@ def _atomic_write(final: Path, write: Callable[[str], None]) -> str:
     return digest
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex digest of a file's bytes, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -38,6 +38,7 @@ from tasks.models import (
 )
 from tasks.policy_state import policy_for
 from tasks.recipe import Recipe
+from tasks.rollout_groups import rollout_spec
 from tasks.score_atoms import load_graphs, load_rollout_rows
 from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
 from tasks.store import Store
@@ -113,8 +114,6 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
     run_id, tr = recipe.run.name, recipe.train
 
     def body():
-        from tasks.rollout_groups import rollout_spec
-
         set_threads(recipe)
         policy = policy_for(store, recipe, iteration)
         lora = store.get_tensors(policy.lora_path) if policy.lora_path else None

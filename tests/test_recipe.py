@@ -166,3 +166,14 @@ def test_parse_recipe_names_its_source():
     assert message.startswith("inline-recipe: invalid recipe")
     for section in ("backbone", "scorer", "prompts", "sampling", "window", "train"):
         assert f"{section}: missing" in message
+
+
+def test_command_line_overrides_are_json_values_with_clear_errors():
+    from tasks.recipe import parse_overrides
+
+    assert parse_overrides(["prompts.per_iteration=4", 'run.name="x"', "train.lr=1e-4"]) == {
+        "prompts.per_iteration": 4, "run.name": "x", "train.lr": 1e-4}
+    with pytest.raises(RecipeError, match="FIELD=VALUE"):
+        parse_overrides(["prompts.per_iteration"])
+    with pytest.raises(RecipeError, match="not JSON"):
+        parse_overrides(["run.name=x y"])
