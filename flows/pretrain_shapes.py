@@ -24,11 +24,13 @@ def pretrain_shapes_flow(train_file: str, out_dir: str, work_dir: str, steps: in
                          batch_size: int, seed: int, threads: int | None = None,
                          stop_after: int | None = None, init_from: str | None = None,
                          lr: float = PretrainConfig.lr, warmup_steps: int = PretrainConfig.warmup_steps,
-                         t_shift: float = PretrainConfig.t_shift) -> dict:
+                         t_shift: float = PretrainConfig.t_shift,
+                         snapshot_every: int | None = None) -> dict:
     config = PretrainConfig(steps=steps, batch_size=batch_size, seed=seed, lr=lr,
                             warmup_steps=warmup_steps, t_shift=t_shift)
     return pretrain_shapes_task(train_file, out_dir, work_dir, config, ShapesBackboneConfig(),
-                                threads=threads, stop_after=stop_after, init_from=init_from)
+                                threads=threads, stop_after=stop_after, init_from=init_from,
+                                snapshot_every=snapshot_every)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-steps", type=int, default=PretrainConfig.warmup_steps)
     parser.add_argument("--t-shift", type=float, default=PretrainConfig.t_shift,
                         help="SD3 time shift of the training t distribution (>1: more high noise)")
+    parser.add_argument("--snapshot-every", type=int, default=None,
+                        help="also save the EMA weights as work-dir/ema-<step> every N steps")
     parser.add_argument("--no-prefect", action="store_true")
     args = parser.parse_args(argv)
     if args.no_prefect:
@@ -55,13 +59,15 @@ def main(argv: list[str] | None = None) -> None:
                                 lr=args.lr, warmup_steps=args.warmup_steps, t_shift=args.t_shift)
         result = pretrain_shapes(args.train_file, args.out, args.work_dir, config,
                                  ShapesBackboneConfig(), threads=args.threads,
-                                 stop_after=args.stop_after, init_from=args.init_from)
+                                 stop_after=args.stop_after, init_from=args.init_from,
+                                 snapshot_every=args.snapshot_every)
     else:
         result = pretrain_shapes_flow(
             train_file=args.train_file, out_dir=args.out, work_dir=args.work_dir, steps=args.steps,
             batch_size=args.batch_size, seed=args.seed, threads=args.threads,
             stop_after=args.stop_after, init_from=args.init_from, lr=args.lr,
-            warmup_steps=args.warmup_steps, t_shift=args.t_shift)
+            warmup_steps=args.warmup_steps, t_shift=args.t_shift,
+            snapshot_every=args.snapshot_every)
     print(result)
 
 

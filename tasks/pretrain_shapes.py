@@ -68,16 +68,27 @@ def _load_state(work_dir: Path, model, ema, optimizer) -> tuple[int, list[float]
     return int(meta["step"]), list(meta["losses"]), segments
 
 
+def _save_snapshot(path: Path, ema: ShapesBackbone) -> None:
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    ema.save_pretrained(staging)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+
+
 def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: PretrainConfig,
                     model_config: ShapesBackboneConfig, save_every: int = 250,
                     threads: int | None = None, stop_after: int | None = None,
-                    init_from: str | None = None) -> dict:
+                    init_from: str | None = None, snapshot_every: int | None = None) -> dict:
     """Train (or resume) and save the EMA backbone to out_dir. Returns a small summary dict.
 
     `stop_after` ends the run after that step's state is saved (a multiple of save_every), without
     writing out_dir: a later call resumes from there, possibly with a different `config.steps`.
     `init_from` starts from the weights of a saved shapes backbone (continued training, fresh
     optimiser and schedule; its model config wins over `model_config`) instead of random ones.
+    `snapshot_every` also saves the EMA weights as a loadable backbone folder
+    `work_dir/ema-<step>` every that many steps, so intermediate models can be evaluated and the
+    best one kept (see `flows.base_eval --checkpoint`).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -109,6 +120,8 @@ def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: Pretra
             segment = {"from_step": start, "to_step": step + 1, "schedule_steps": config.steps,
                        "wall_seconds": round(time.time() - started, 1)}
             _save_state(work, step + 1, model, ema, optimizer, losses, done_segments + [segment])
+        if snapshot_every and (step + 1) % snapshot_every == 0:
+            _save_snapshot(work / f"ema-{step + 1}", ema)
     if end < config.steps:
         return {"work_dir": str(work), "stopped_at": end, "final_loss": losses[-1]}
     out = Path(out_dir)
