@@ -1,0 +1,231 @@
+"""The scorer service: any scorer behind HTTP, so one model on its own GPUs serves many workers.
+
+    python -m cast_core.scorers.service --scorer shapes-verifier --host 127.0.0.1 --port 8765
+    python -m cast_core.scorers.service --scorer soft-tifa --model PATH --device cuda
+
+A Starlette app served by uvicorn. GET /health -> {"status": "ok", "scorer_id", "protocol_version",
+"cast_version"}; POST /score takes and returns safetensors bodies (wire format in
+`cast_core.scorers.remote`, whose `RemoteScorer` is the client). Requests are validated before the
+model sees them (400 naming what is wrong; 413 past `max_body_bytes`); scorer calls run one at a
+time under a lock in a worker thread, so /health answers while a batch is scored; an exception
+in the scorer is a 500 carrying its text.
+
+`make_app(scorer, scorer_id)` serves any scorer object (a `score(images, graphs)` method, or a
+plain callable); `SCORERS` maps a CLI name to a factory, so adding a scorer is one entry there.
+Factories import their model code lazily: the service starts without the heavy dependencies of
+scorers it does not serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from cast_core.scorers.remote import PROTOCOL_VERSION, WireError, decode_request, encode_response
+
+DEFAULT_MAX_BODY_BYTES = 256 * 2**20
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedScorer:
+    """A scorer ready to serve: its id (what score caches key on) and its score function."""
+
+    scorer_id: str
+    score: Callable
+
+
+@dataclass(frozen=True)
+class ScorerArgs:
+    """What a factory may need: a local model folder, the device and dtype to load it with."""
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+
+
+def _shapes_verifier(args: ScorerArgs) -> LoadedScorer:
+    from cast_core.shapes.verifier import VerifierConfig, verify
+
+    if args.model is not None:
+        raise ValueError("shapes-verifier is exact and has no model; drop --model")
+    config = VerifierConfig()
+
+    def score(images: torch.Tensor, graphs):
+        return [(s.scores, s.heatmaps) for s in verify(images, graphs, config)]
+
+    return LoadedScorer(f"shapes-verifier-v1({config})", score)
+
+
+def _soft_tifa(args: ScorerArgs) -> LoadedScorer:
+    from cast_core.scorers.soft_tifa import SoftTifaConfig, SoftTifaScorer
+
+    if args.model is None:
+        raise ValueError("soft-tifa needs --model PATH (a Qwen3-VL folder saved with "
+                         "save_pretrained)")
+    config = SoftTifaConfig()
+    scorer = SoftTifaScorer.from_pretrained(args.model, config, args.device, args.dtype)
+    return LoadedScorer(f"soft-tifa-v1({Path(args.model).resolve().name}, {config})",
+                        scorer.score)
+
+
+SCORERS: MappingProxyType[str, Callable[[ScorerArgs], LoadedScorer]] = MappingProxyType({
+    "shapes-verifier": _shapes_verifier,
+    "soft-tifa": _soft_tifa,
+})
+
+
+def load_scorer(name: str, args: ScorerArgs = ScorerArgs()) -> LoadedScorer:
+    """The scorer registered as `name`, built from `args`."""
+    if name not in SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; known: {sorted(SCORERS)}")
+    return SCORERS[name](args)
+
+
+def cast_version() -> str:
+    try:
+        return version("cast-rl")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def make_app(scorer, scorer_id: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The HTTP app serving `scorer`: an object with `score(images, graphs)`, or that callable."""
+    score = getattr(scorer, "score", scorer)
+    if not callable(score):
+        raise TypeError(f"scorer must have score(images, graphs) or be callable; got {scorer!r}")
+    lock = threading.Lock()
+
+    def score_locked(images: torch.Tensor, graphs) -> bytes:
+        with lock, torch.no_grad():
+            results = list(score(images, graphs))
+        if len(results) != len(graphs):
+            raise RuntimeError(f"scorer returned {len(results)} results for {len(graphs)} images")
+        return encode_response(results, scorer_id)
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "scorer_id": scorer_id,
+                             "protocol_version": PROTOCOL_VERSION, "cast_version": cast_version()})
+
+    async def score_endpoint(request: Request) -> Response:
+        body = await _read_body(request, max_body_bytes)
+        if isinstance(body, Response):
+            return body
+        try:
+            images, graphs = decode_request(body)
+        except WireError as err:
+            return _error(400, str(err))
+        try:
+            blob = await run_in_threadpool(score_locked, images, graphs)
+        except Exception as err:  # noqa: BLE001 - any scorer failure goes back as text
+            _log.exception("scorer %s failed", scorer_id)
+            return _error(500, f"scorer {scorer_id} failed: {type(err).__name__}: {err}")
+        return Response(blob, media_type="application/octet-stream")
+
+    return Starlette(routes=[Route("/health", health, methods=["GET"]),
+                             Route("/score", score_endpoint, methods=["POST"])])
+
+
+async def _read_body(request: Request, limit: int) -> bytes | Response:
+    """The body, or a 413/400 response when it is too large or the length header is bad."""
+    too_large = _error(413, f"request body over the service's limit of {limit} bytes; send "
+                            "fewer images per call or raise --max-body-mb")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        return too_large if declared.isdigit() else _error(400, "bad Content-Length header")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+@contextmanager
+def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0,
+                    start_timeout_s: float = 10.0) -> Iterator[str]:
+    """Serve `app` from a background thread (port 0: a free one); yields its URL, stops on exit."""
+    sock = _bind(host, port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            raise RuntimeError(f"scorer service did not start within {start_timeout_s} s")
+        time.sleep(0.01)
+    try:
+        yield _url(sock)
+    finally:
+        server.should_exit = True
+        thread.join(start_timeout_s)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cast_core.scorers.service",
+                                description="Serve a CAST scorer over HTTP.")
+    p.add_argument("--scorer", required=True, choices=sorted(SCORERS))
+    p.add_argument("--model", default=None, help="local model folder (soft-tifa)")
+    p.add_argument("--device", default="cpu", help="torch device for a model, e.g. cuda:0")
+    p.add_argument("--dtype", default=None, help="model dtype, e.g. bfloat16 (default: saved)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        loaded = load_scorer(args.scorer, ScorerArgs(args.model, args.device, args.dtype))
+    except (ValueError, OSError, ImportError) as err:
+        print(f"scorer service: {err}", file=sys.stderr)
+        return 2
+    app = make_app(loaded.score, loaded.scorer_id, int(args.max_body_mb * 2**20))
+    sock = _bind(args.host, args.port)
+    print(f"serving {loaded.scorer_id} at {_url(sock)} (GET /health, POST /score); Ctrl-C stops",
+          flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="off")).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the signal
+        pass
+    print("scorer service stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""FLUX.2 backbone against the diffusers pipelines, on tiny random models saved as pipeline folders.
+
+Each folder is a full `Flux2Pipeline` (dev: Mistral-3 text encoder, guidance-distilled transformer)
+or `Flux2KleinPipeline` (Qwen3 text encoder, true CFG) built from config, saved with
+`save_pretrained` and loaded back by both the pipeline and `Flux2Backbone.from_pretrained`.
+The tokenizer is a plain fast BPE tokenizer with a chat template (the real dev processor,
+`PixtralProcessor`, needs torchvision). The VAE's batch-norm statistics are randomised so the
+latent de-normalisation is exercised.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKLFlux2,
+    FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
+)
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from cast_core.backbones.base import Backbone
+from cast_core.backbones.flux2 import Flux2Backbone, flux2_sigmas
+from cast_core.backbones.flux2_text import TextEncoding
+from cast_core.policy import PolicyConfig, add_lora, policy_update, reference_mode
+from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
+from cast_core.sampling import sample_ode
+from cast_core.window import SdeWindow
+
+PROMPTS = ["a photo of a red cat", "two blue dogs left of a tree"]
+SEEDS = [11, 12]
+LAYERS = (1, 2, 3)  # three tiny text layers of width 16 -> joint_attention_dim 48
+TEXT_LEN = 48
+SIZE = 32  # VAE factor 2 × 2×2 patches -> an 8×8 token grid of 16 channels
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+            "[/SYSTEM_PROMPT]", "<|im_start|>", "<|im_end|>"]
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]"
+    "{{ m['content'][0]['text'] }}[/SYSTEM_PROMPT]{% else %}[INST]{{ m['content'][0]['text'] }}"
+    "[/INST]{% endif %}{% endfor %}")
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def _tokenizer(template: str) -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = [SYSTEM_MESSAGE, *PROMPTS, "user assistant think", "Yes", "No"]
+    core.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=500, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = template
+    return tok
+
+
+def _text_encoder(variant: str, tok) -> torch.nn.Module:
+    text = {"vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8, "max_position_embeddings": 64, "pad_token_id": tok.pad_token_id}
+    if variant == "klein":
+        return Qwen3ForCausalLM(Qwen3Config(**text))
+    return Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={"model_type": "mistral", "sliding_window": None,
+                     "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **text},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "intermediate_size": 32, "image_size": 16,
+                       "patch_size": 8, "num_channels": 3},
+        image_token_index=0, spatial_merge_size=1, vision_feature_layer=-1))
+
+
+def _save_pipeline(folder, variant: str, num_single_layers: int = 2) -> None:
+    torch.manual_seed(0)
+    tok = _tokenizer(MISTRAL_TEMPLATE if variant == "dev" else QWEN_TEMPLATE)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=num_single_layers,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16 * len(LAYERS),
+        timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
+        guidance_embeds=variant == "dev")
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False,
+        mid_block_add_attention=False)
+    with torch.no_grad():
+        vae.bn.running_mean.normal_()
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    # the real FLUX.2 scheduler config: resolution-dependent exponential shift through mu
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0,
+                                                time_shift_type="exponential")
+    parts = {"scheduler": scheduler, "vae": vae, "text_encoder": _text_encoder(variant, tok),
+             "tokenizer": tok, "transformer": transformer}
+    pipe = Flux2Pipeline(**parts) if variant == "dev" else Flux2KleinPipeline(**parts)
+    pipe.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux2")
+    for variant in ("dev", "klein"):
+        _save_pipeline(root / variant, variant)
+    return root
+
+
+def _backbone(folder, **kwargs) -> Flux2Backbone:
+    kwargs = {"height": SIZE, "width": SIZE, **kwargs}
+    return Flux2Backbone.from_pretrained(folder, torch_dtype=torch.float32,
+                                         max_sequence_length=TEXT_LEN,
+                                         text_encoder_out_layers=LAYERS, **kwargs)
+
+
+def _pipeline(folder, variant: str):
+    cls = Flux2Pipeline if variant == "dev" else Flux2KleinPipeline
+    pipe = cls.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _pipeline_call(pipe, num_steps=3, guidance_scale=3.0, output_type="pt", size=SIZE, **kw):
+    return pipe(prompt=PROMPTS, height=size, width=size, num_inference_steps=num_steps,
+                guidance_scale=guidance_scale, output_type=output_type,
+                generator=[torch.Generator().manual_seed(s) for s in SEEDS],
+                max_sequence_length=TEXT_LEN, text_encoder_out_layers=LAYERS, **kw).images
+
+
+def _randomise_lora_b(backbone, scale: float) -> None:
+    """PEFT starts B at 0 (so A gets no gradient and the adapter does nothing); move it away."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in backbone.named_parameters():
+            if "lora_B" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+
+
+@pytest.mark.parametrize("variant,guidance", [("dev", "embedded"), ("klein", "cfg")])
+def test_ode_sampling_reproduces_the_pipeline(folders, variant, guidance):
+    backbone = _backbone(folders / variant)
+    assert isinstance(backbone, Backbone) and backbone.config.guidance == guidance
+    assert backbone.latent_shape == (16, 8, 8) and backbone.token_grid == (8, 8)
+    pipe = _pipeline(folders / variant, variant)
+    steps = {}
+
+    def record(pipe, i, t, tensors):
+        steps[i] = tensors
+        return {}
+
+    want = _pipeline_call(pipe, callback_on_step_end=record)
+    x0 = sample_ode(backbone, PROMPTS, SEEDS, num_steps=3, guidance_scale=3.0)  # [2, 16, 8, 8]
+    packed = x0.flatten(2).transpose(1, 2)  # the pipeline's token sequence [2, 64, 16]
+    torch.testing.assert_close(packed, steps[2]["latents"], atol=1e-4, rtol=1e-4)
+    image = backbone.decode(x0)
+    assert image.shape == (2, 3, SIZE, SIZE) and image.dtype == torch.float32
+    torch.testing.assert_close(image, want, atol=1e-4, rtol=1e-4)
+    embeds, _ = pipe.encode_prompt(PROMPTS, max_sequence_length=TEXT_LEN,
+                                   text_encoder_out_layers=LAYERS)
+    torch.testing.assert_close(backbone.encode_prompts(PROMPTS).embeds, embeds, atol=0, rtol=0)
+
+
+def test_bf16_weights_sample_near_the_bf16_pipeline(folders):
+    """bf16 departs only by our fp32 state and step math: images within a few bf16 steps."""
+    backbone = Flux2Backbone.from_pretrained(
+        folders / "dev", torch_dtype=torch.bfloat16, height=SIZE, width=SIZE,
+        max_sequence_length=TEXT_LEN, text_encoder_out_layers=LAYERS)
+    x0 = sample_ode(backbone, PROMPTS, SEEDS, num_steps=3, guidance_scale=3.0)
+    image = backbone.decode(x0)
+    assert x0.dtype == torch.float32 and image.dtype == torch.float32
+    pipe = Flux2Pipeline.from_pretrained(folders / "dev", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    torch.testing.assert_close(image, _pipeline_call(pipe).float(), atol=3e-2, rtol=0)
+
+
+def test_initial_noise_is_per_seed_and_the_pipelines(folders):
+    backbone = _backbone(folders / "dev")
+    noise = backbone.initial_noise([5, 6, 5])
+    torch.testing.assert_close(noise[0], noise[2], atol=0, rtol=0)
+    assert not torch.equal(noise[0], noise[1])
+    pipe = _pipeline(folders / "dev", "dev")
+    tokens, _ = pipe.prepare_latents(3, 4, SIZE, SIZE, torch.float32, "cpu",
+                                     [torch.Generator().manual_seed(s) for s in (5, 6, 5)])
+    torch.testing.assert_close(noise.flatten(2).transpose(1, 2), tokens, atol=0, rtol=0)
+
+
+def test_distilled_klein_ignores_the_guidance_scale(folders, tmp_path):
+    shutil.copytree(folders / "klein", tmp_path / "klein")
+    index = json.loads((tmp_path / "klein" / "model_index.json").read_text())
+    (tmp_path / "klein" / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    backbone = _backbone(tmp_path / "klein")
+    assert backbone.config.guidance == "none"
+    x, cond = backbone.initial_noise([1]), backbone.encode_prompts(PROMPTS[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(backbone.velocity(x, torch.tensor([0.5]), cond, 4.0),
+                                   backbone.velocity(x, torch.tensor([0.5]), cond, 1.0))
+
+
+@pytest.mark.parametrize("size,num_steps", [(32, 4), (64, 4), (64, 7)])
+def test_sigmas_equal_the_pipeline_schedulers(folders, size, num_steps):
+    backbone = _backbone(folders / "dev", height=size, width=size)
+    pipe = _pipeline(folders / "dev", "dev")
+    _pipeline_call(pipe, num_steps=num_steps, output_type="latent", size=size)
+    sigmas = backbone.sigmas(num_steps)
+    assert sigmas.shape == (num_steps + 1,) and sigmas[-1] == 0
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, atol=0, rtol=0)
+
+
+def test_the_shift_depends_on_resolution_and_step_count(folders):
+    config = json.loads((folders / "dev" / "scheduler" / "scheduler_config.json").read_text())
+    base = flux2_sigmas(config, 4, image_seq_len=64)
+    assert not torch.allclose(base, flux2_sigmas(config, 4, image_seq_len=4096))
+    assert not torch.allclose(base[:2], flux2_sigmas(config, 8, image_seq_len=64)[:2])
+
+
+def test_size_must_fit_the_token_grid(folders):
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _backbone(folders / "dev", height=30)
+
+
+@pytest.mark.parametrize("sde_kind", ["flow_sde", "cps"])
+def test_sde_rollout_log_probs_are_finite_and_replay_to_ratio_one(folders, sde_kind):
+    backbone = _backbone(folders / "klein")
+    spec = RolloutSpec(num_steps=3, guidance_scale=3.0, noise_level=0.7, sde_kind=sde_kind,
+                       window=SdeWindow(0, 3))
+    out = rollout(backbone, PROMPTS, SEEDS, spec)
+    assert out.latents.shape == (2, 3, 16, 8, 8) and out.log_probs.shape == (2, 3, 8, 8)
+    assert out.log_probs.dtype == torch.float32 and torch.isfinite(out.log_probs).all()
+    replay = replay_log_probs(backbone, out, PROMPTS, spec, with_grad=False)
+    ratio = torch.exp(replay.log_probs - out.log_probs)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)
+
+
+def test_a_lora_step_changes_only_the_adapter(folders):
+    backbone = _backbone(folders / "dev")
+    params = add_lora(backbone, rank=2, alpha=2.0)
+    _randomise_lora_b(backbone, 0.02)
+    lora = {n: p.detach().clone() for n, p in backbone.named_parameters() if p.requires_grad}
+    base = {n: t.clone() for n, t in backbone.state_dict().items() if "lora_" not in n}
+    targeted = {n.split(".lora_")[0].removeprefix("transformer.") for n in lora}
+    attn = "transformer_blocks.0.attn."
+    assert targeted == {
+        *(attn + m for m in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                             "add_v_proj", "to_add_out")),
+        *(f"single_transformer_blocks.{i}.attn.{m}" for i in (0, 1)
+          for m in ("to_qkv_mlp_proj", "to_out"))}
+    spec = RolloutSpec(num_steps=3, guidance_scale=3.0, noise_level=0.7, sde_kind="flow_sde",
+                       window=SdeWindow(0, 2))
+    out = rollout(backbone, PROMPTS, SEEDS, spec)
+    advantages = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    (step,) = policy_update(backbone, optimizer, PROMPTS, out, spec, advantages,
+                            PolicyConfig(advantage="spatial", clip_range=0.2, micro_batch=2))
+    assert not step.skipped and step.first_ratio_ok
+    named = dict(backbone.named_parameters())
+    for name, before in lora.items():
+        assert named[name].grad is not None and named[name].grad.abs().sum() > 0, name
+        assert not torch.equal(named[name].detach(), before), name
+    for name, value in backbone.state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(value, base[name]), name
+
+
+def test_saved_lora_loads_into_the_pipeline_with_the_same_output(folders, tmp_path):
+    backbone = _backbone(folders / "dev")
+    add_lora(backbone, rank=2, alpha=4.0)
+    _randomise_lora_b(backbone, 0.3)
+    ours = backbone.decode(sample_ode(backbone, PROMPTS, SEEDS, num_steps=3, guidance_scale=3.0))
+    with reference_mode(backbone):
+        base = backbone.decode(sample_ode(backbone, PROMPTS, SEEDS, num_steps=3,
+                                          guidance_scale=3.0))
+    assert (ours - base).abs().max() > 1e-2
+    backbone.save_lora_weights(tmp_path / "lora")
+    pipe = _pipeline(folders / "dev", "dev")
+    pipe.load_lora_weights(tmp_path / "lora")
+    torch.testing.assert_close(_pipeline_call(pipe), ours, atol=1e-4, rtol=1e-4)
+
+
+def test_embedding_cache_reads_from_disk(folders, tmp_path, monkeypatch):
+    backbone = _backbone(folders / "dev", embedding_cache_dir=tmp_path / "cache")
+    first = backbone.encode_prompts([PROMPTS[0], PROMPTS[1], PROMPTS[0]]).embeds
+    assert first.shape == (3, TEXT_LEN, 48) and len(list((tmp_path / "cache").iterdir())) == 2
+
+    def poisoned(*args, **kwargs):
+        raise AssertionError("the text encoder ran although the prompt is cached")
+
+    monkeypatch.setattr(backbone.text_encoder, "forward", poisoned)
+    again = backbone.encode_prompts([PROMPTS[1], PROMPTS[0]])
+    torch.testing.assert_close(again.embeds, first[[1, 0]], atol=0, rtol=0)
+    torch.testing.assert_close(again[1].embeds, first[0], atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="text encoder ran"):
+        backbone.encode_prompts(["an uncached prompt"])
+    encoding = TextEncoding("m", "dev", TEXT_LEN, LAYERS, "torch.float32")
+    other = TextEncoding("m", "dev", TEXT_LEN + 1, LAYERS, "torch.float32")
+    assert encoding.key("p") != other.key("p") and encoding.key("p") != encoding.key("q")
+
+
+def test_gradient_checkpointing_passes_through(folders):
+    backbone = _backbone(folders / "dev")
+    backbone.enable_gradient_checkpointing()
+    assert backbone.transformer.gradient_checkpointing

@@ -1,0 +1,263 @@
+"""The Qwen-Image backbone against diffusers' QwenImagePipeline, on a tiny random model in fp32.
+
+The tiny pipeline (real classes: Qwen2.5-VL text encoder, QwenImageTransformer2DModel,
+AutoencoderKLQwenImage, the Qwen-Image scheduler config with its dynamic shift) is built from
+config, saved as a pipeline folder and loaded back both by the pipeline and by the backbone. The
+tiny tokenizer's template prefix is not the real one's 34 tokens, so both are told its length.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from peft import get_peft_model_state_dict
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from cast_core.backbones.base import Backbone
+from cast_core.backbones.qwen_image import QwenImageBackbone
+from cast_core.backbones.qwen_image_text import (
+    PROMPT_TEMPLATE,
+    PromptEmbeds,
+    template_prefix_length,
+)
+from cast_core.policy import PolicyConfig, add_lora, policy_update
+from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
+from cast_core.sampling import sample_ode
+from cast_core.window import SdeWindow
+
+H, W = 64, 96  # VAE factor 4, 2x2 patches: an 8 x 12 token grid
+PROMPTS = ["a red cube left of a sleeping cat", "two dogs"]
+SEEDS = [3, 11]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen-Image's scheduler config: exponential dynamic shift and a terminal sigma
+SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192,
+             "max_shift": 0.9, "shift": 1.0, "shift_terminal": 0.02,
+             "time_shift_type": "exponential", "use_dynamic_shifting": True}
+
+
+def _tokenizer() -> Qwen2Tokenizer:
+    corpus = [PROMPT_TEMPLATE.format(p) for p in PROMPTS] + ["a blue sphere above a dog"]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=330, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(core.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS[1:]})
+    return tok
+
+
+def _pipeline_components() -> dict:
+    tok = _tokenizer()
+    v = len(tok)
+    torch.manual_seed(0)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": v + 3,
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                                      "type": "default"},
+                     "rope_theta": 1e6, "bos_token_id": None, "eos_token_id": 0},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": 16},
+        hidden_size=16, vocab_size=v + 3, vision_start_token_id=v, vision_end_token_id=v + 1,
+        vision_token_id=v + 2, image_token_id=v + 2, video_token_id=v + 2)).eval()
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=3, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 1.0, 2.0])
+    return {"scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER), "vae": vae,
+            "text_encoder": text_encoder, "tokenizer": tok, "transformer": transformer}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen") / "pipeline"
+    QwenImagePipeline(**_pipeline_components()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prefix(folder) -> int:
+    n = template_prefix_length(Qwen2Tokenizer.from_pretrained(folder / "tokenizer"))
+    assert n != 34  # else the tests could not tell a wrong drop index from the right one
+    return n
+
+
+def _pipeline(folder: Path, prefix: int) -> QwenImagePipeline:
+    pipe = QwenImagePipeline.from_pretrained(folder)
+    pipe.prompt_template_encode_start_idx = prefix
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _backbone(folder: Path, prefix: int, **kwargs) -> QwenImageBackbone:
+    kwargs = {"height": H, "width": W, "torch_dtype": torch.float32, **kwargs}
+    return QwenImageBackbone.from_pretrained(
+        folder, prompt_template_encode_start_idx=prefix, **kwargs)
+
+
+def _run_pipeline(pipe, steps: int, cfg: float, output_type: str, height: int = H,
+                  width: int = W) -> torch.Tensor:
+    negative = [""] * len(PROMPTS) if cfg != 1.0 else None
+    return pipe(PROMPTS, negative_prompt=negative, true_cfg_scale=cfg, height=height, width=width,
+                num_inference_steps=steps, output_type=output_type,
+                generator=[torch.Generator().manual_seed(s) for s in SEEDS]).images
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(2).transpose(1, 2)  # [N, 4z, h, w] -> [N, h*w, 4z]
+
+
+def test_geometry_template_and_wrong_drop_index(folder, prefix):
+    backbone = _backbone(folder, prefix)
+    assert isinstance(backbone, Backbone) and backbone.family == "qwen_image"
+    assert backbone.token_grid == (8, 12) and backbone.latent_shape == (16, 8, 12)
+    assert _pipeline(folder, prefix).prompt_template_encode == PROMPT_TEMPLATE
+    with pytest.raises(ValueError, match=f"prompt_template_encode_start_idx={prefix}"):
+        _backbone(folder, 34)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        _backbone(folder, prefix, height=60)
+
+
+def test_prompt_embeds_and_noise_equal_the_pipelines(folder, prefix):
+    backbone, pipe = _backbone(folder, prefix), _pipeline(folder, prefix)
+    cond = backbone.encode_prompts(PROMPTS)
+    embeds, mask = pipe.encode_prompt(PROMPTS, max_sequence_length=512)
+    torch.testing.assert_close(cond.embeds, embeds, rtol=0, atol=1e-6)
+    assert torch.equal(cond.mask, mask) and not bool(mask.all())
+    single = backbone.encode_prompts(PROMPTS[1:])
+    assert torch.equal(cond[1].embeds, single.embeds) and cond[1].transformer_mask() is None
+    joined = PromptEmbeds.cat([cond[0], cond[1]])
+    assert torch.equal(joined.embeds, cond.embeds) and torch.equal(joined.mask, cond.mask)
+    noise = pipe.prepare_latents(2, 4, H, W, torch.float32, "cpu",
+                                 [torch.Generator().manual_seed(s) for s in SEEDS])
+    assert torch.equal(_packed(backbone.initial_noise(SEEDS)), noise)
+    assert torch.equal(backbone.initial_noise(SEEDS[1:]), backbone.initial_noise(SEEDS)[1:])
+
+
+@pytest.mark.parametrize("cfg", [1.0, 3.0])
+def test_ode_sampling_reproduces_the_pipeline(folder, prefix, cfg):
+    backbone, pipe = _backbone(folder, prefix), _pipeline(folder, prefix)
+    x0 = sample_ode(backbone, PROMPTS, SEEDS, num_steps=4, guidance_scale=cfg)
+    torch.testing.assert_close(_packed(x0), _run_pipeline(pipe, 4, cfg, "latent"),
+                               rtol=0, atol=1e-5)
+    images = backbone.decode(x0)
+    assert images.shape == (2, 3, H, W) and images.dtype == torch.float32
+    torch.testing.assert_close(images, _run_pipeline(pipe, 4, cfg, "pt"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("height", "width", "steps"), [(H, W, 4), (128, 160, 7)])
+def test_sigmas_equal_the_pipeline_schedulers(folder, prefix, height, width, steps):
+    pipe = _pipeline(folder, prefix)
+    _run_pipeline(pipe, steps, 1.0, "latent", height=height, width=width)
+    sigmas = _backbone(folder, prefix, height=height, width=width).sigmas(steps)
+    assert sigmas.shape == (steps + 1,) and sigmas[-1] == 0 and sigmas[-2] == pytest.approx(0.02, abs=1e-6)
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, rtol=0, atol=1e-7)
+
+
+def _spec(steps: int = 3) -> RolloutSpec:
+    return RolloutSpec(num_steps=steps, guidance_scale=2.0, noise_level=0.7, sde_kind="flow_sde",
+                       window=SdeWindow(0, steps))
+
+
+def test_rollout_log_probs_are_finite_and_replay_gives_ratio_one(folder, prefix):
+    backbone, spec = _backbone(folder, prefix), _spec()
+    out = rollout(backbone, PROMPTS, SEEDS, spec)
+    assert out.latents.shape == (2, 3, 16, 8, 12) and out.log_probs.shape == (2, 3, 8, 12)
+    assert torch.isfinite(out.log_probs).all()
+    replay = replay_log_probs(backbone, out, PROMPTS, spec, with_grad=False)
+    ratio = torch.exp(replay.log_probs - out.log_probs)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=1e-5)
+
+
+def _dead_in_last_block(name: str) -> bool:
+    """The last block's text stream feeds nothing: its text queries, text attention output and
+    text MLP get no gradient signal (the transformer returns only image tokens)."""
+    dead = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.")
+    return name.startswith("transformer_blocks.1.") and any(d in name for d in dead)
+
+
+def test_lora_update_trains_adapters_only_with_gradient_checkpointing(folder, prefix):
+    backbone, spec = _backbone(folder, prefix), _spec()
+    torch.manual_seed(0)
+    params = add_lora(backbone, rank=4, alpha=4.0)
+    backbone.enable_gradient_checkpointing()
+    assert backbone.transformer.gradient_checkpointing
+    modules = {n.rsplit(".lora_A", 1)[0] for n, _ in backbone.transformer.named_parameters()
+               if ".lora_A." in n}
+    for target in backbone.lora_target_modules:
+        assert any(m.endswith(target) for m in modules), target
+    before = {n: p.detach().clone() for n, p in backbone.named_parameters()}
+    out = rollout(backbone, PROMPTS, SEEDS, spec)
+    advantages = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(0))
+    records = policy_update(
+        backbone, torch.optim.AdamW(params, lr=1e-2), PROMPTS, out, spec, advantages,
+        PolicyConfig(advantage="spatial", clip_range=10.0, inner_epochs=2, micro_batch=2))
+    assert records[0].first_ratio_ok and not any(r.skipped for r in records)
+    named = dict(backbone.named_parameters())
+    for name, p in named.items():
+        changed = not torch.equal(p, before[name])
+        if "lora_" not in name:
+            assert not changed, name  # base weights bitwise unchanged
+            continue
+        module = name.split("transformer.", 1)[1]
+        if _dead_in_last_block(module):  # grads None, or zeros when recomputed by checkpointing
+            assert p.grad is None or not p.grad.any(), name
+            assert "lora_B" not in name or not p.any(), name  # so its adapter stays a no-op
+        else:  # the second epoch's grads: B moved off 0 in the first, so A has grads too
+            assert changed and p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_saved_lora_loads_into_the_pipeline_and_matches(folder, prefix, tmp_path):
+    backbone = _backbone(folder, prefix)
+    torch.manual_seed(0)
+    params = add_lora(backbone, rank=4, alpha=8.0)  # scale alpha / rank = 2 travels as metadata
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0.0, 0.3)
+    QwenImagePipeline.save_lora_weights(
+        tmp_path / "lora", transformer_lora_layers=get_peft_model_state_dict(backbone.transformer),
+        transformer_lora_adapter_metadata=backbone.transformer.peft_config["default"].to_dict())
+    pipe = _pipeline(folder, prefix)
+    base = _run_pipeline(pipe, 3, 2.0, "pt")
+    pipe.load_lora_weights(tmp_path / "lora")
+    ours = backbone.decode(sample_ode(backbone, PROMPTS, SEEDS, num_steps=3, guidance_scale=2.0))
+    theirs = _run_pipeline(pipe, 3, 2.0, "pt")
+    assert (theirs - base).abs().max() > 1e-2  # the adapter changes the images
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_embedding_cache_reads_from_disk(folder, prefix, tmp_path, monkeypatch):
+    backbone = _backbone(folder, prefix, embedding_cache_dir=tmp_path / "emb")
+    first = backbone.encode_prompts(PROMPTS)
+    assert len(list((tmp_path / "emb").glob("*.safetensors"))) == 2
+
+    def poisoned(*args, **kwargs):
+        raise AssertionError("the text encoder ran although the embeddings are cached")
+
+    monkeypatch.setattr(backbone.text_encoder, "forward", poisoned)
+    second = backbone.encode_prompts(PROMPTS)
+    assert torch.equal(first.embeds, second.embeds) and torch.equal(first.mask, second.mask)
+    shorter = _backbone(folder, prefix, embedding_cache_dir=tmp_path / "emb", max_sequence_length=4)
+    assert shorter.encode_prompts(PROMPTS).embeds.shape[1] == 4  # another key: encoded afresh
+    assert len(list((tmp_path / "emb").glob("*.safetensors"))) == 4
+
+
+def test_bf16_weights_keep_float32_step_math(folder, prefix):
+    backbone = _backbone(folder, prefix, torch_dtype=torch.bfloat16)
+    assert backbone.transformer.dtype == backbone.text_encoder.dtype == torch.bfloat16
+    x0 = sample_ode(backbone, PROMPTS, SEEDS, num_steps=3, guidance_scale=2.0)
+    assert x0.dtype == torch.float32 and backbone.decode(x0).dtype == torch.float32
+    reference = sample_ode(_backbone(folder, prefix), PROMPTS, SEEDS, num_steps=3, guidance_scale=2.0)
+    torch.testing.assert_close(x0, reference, rtol=0, atol=0.1)  # bf16 rounding only
