@@ -11,7 +11,10 @@ advantage A per sample.
 
 Diagnostics: approx_kl is the k3 estimator mean((r - 1) - log r) (Schulman's unbiased,
 non-negative estimate of KL(old || new) from samples of the old policy); clip_fraction is the
-fraction of positions with |r - 1| > eps; adv_mass = mean |M| over the positions used.
+fraction of positions with |r - 1| > eps; adv_mass = mean |M| over the positions used. The
+per-step versions ratio_mean_per_step and clip_fraction_per_step [K] take the same weighted means
+over every axis but the window-step axis (dim 1 of [N, K, h, w] inputs; one entry for [N, h, w]);
+with every position used they average to ratio_mean and clip_fraction.
 
 Clip range for per-position ratios (our choice; neither paper specifies one). Flow-GRPO clips its
 all-dims ratio with a tiny range (about 1e-4 to 2e-4). log r for that ratio is a mean over
@@ -34,14 +37,17 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class PolicyLossStats:
-    """0-d detached tensors: clip_fraction, ratio_mean, ratio_std (population), approx_kl (k3),
-    adv_mass (mean |advantage| over the positions or samples used)."""
+    """Detached tensors: clip_fraction, ratio_mean, ratio_std (population), approx_kl (k3),
+    adv_mass (mean |advantage| over the positions or samples used), all 0-d; ratio_mean_per_step
+    and clip_fraction_per_step [K] in window-step order ([1] for inputs without a step axis)."""
 
     clip_fraction: Tensor
     ratio_mean: Tensor
     ratio_std: Tensor
     approx_kl: Tensor
     adv_mass: Tensor
+    ratio_mean_per_step: Tensor
+    clip_fraction_per_step: Tensor
 
 
 @dataclass(frozen=True)
@@ -69,23 +75,35 @@ def _clipped_objective(ratio: Tensor, adv: Tensor, clip_range: float) -> Tensor:
     return torch.minimum(ratio * adv, clipped * adv)
 
 
-def _stats(log_ratio: Tensor, adv: Tensor, weight: Tensor, clip_range: float) -> PolicyLossStats:
-    """Weighted-mean diagnostics; log_ratio, adv, weight broadcast to one shape."""
+def _stats(
+    log_ratio: Tensor, adv: Tensor, weight: Tensor, clip_range: float, has_steps: bool
+) -> PolicyLossStats:
+    """Weighted-mean diagnostics; log_ratio, adv, weight broadcast to one shape, whose dim 1 is
+    the window-step axis K when has_steps."""
     with torch.no_grad():
         log_ratio, adv, weight = torch.broadcast_tensors(log_ratio.detach(), adv.detach(), weight)
         total = weight.sum().clamp_min(1.0)
+        other = [d for d in range(log_ratio.dim()) if d != 1]
 
         def mean(x: Tensor) -> Tensor:
             return (x * weight).sum() / total
 
+        def per_step(x: Tensor) -> Tensor:
+            if not has_steps:
+                return mean(x).reshape(1)  # [1]
+            return (x * weight).sum(dim=other) / weight.sum(dim=other).clamp_min(1.0)  # [K]
+
         r = log_ratio.exp()
         r_mean = mean(r)
+        clipped = ((r - 1.0).abs() > clip_range).to(r.dtype)
         return PolicyLossStats(
-            clip_fraction=mean(((r - 1.0).abs() > clip_range).to(r.dtype)),
+            clip_fraction=mean(clipped),
             ratio_mean=r_mean,
             ratio_std=mean((r - r_mean) ** 2).sqrt(),
             approx_kl=mean((r - 1.0) - log_ratio),
             adv_mass=mean(adv.abs()),
+            ratio_mean_per_step=per_step(r),
+            clip_fraction_per_step=per_step(clipped),
         )
 
 
@@ -127,7 +145,8 @@ def spatial_clipped_loss(
     objective = _clipped_objective(log_ratio.exp(), adv, clip_range)  # [N, K, h, w]
     weight_full = weight.expand_as(objective)
     loss = -(objective * weight_full).sum() / weight_full.sum().clamp_min(1.0)
-    return PolicyLoss(loss, _stats(log_ratio, adv, weight_full, clip_range))
+    stats = _stats(log_ratio, adv, weight_full, clip_range, log_prob_new.dim() == 4)
+    return PolicyLoss(loss, stats)
 
 
 def scalar_clipped_loss(
@@ -147,7 +166,8 @@ def scalar_clipped_loss(
     adv = advantages.detach().reshape(-1, *([1] * (log_ratio.dim() - 1)))  # [N, 1] or [N]
     objective = _clipped_objective(log_ratio.exp(), adv, clip_range)  # [N, K] or [N]
     weight = torch.ones_like(objective)
-    return PolicyLoss(-objective.mean(), _stats(log_ratio, adv, weight, clip_range))
+    stats = _stats(log_ratio, adv, weight, clip_range, log_prob_new.dim() == 4)
+    return PolicyLoss(-objective.mean(), stats)
 
 
 def gaussian_kl(mu_p: Tensor, std_p: Tensor, mu_q: Tensor, std_q: Tensor) -> Tensor:

@@ -4,14 +4,21 @@ An atom passes when its score exceeds `pass_threshold` (0.5: the verifier's and 
 are probabilities of the expected answer). An image is correct when every atom of its prompt passes
 (GenEval's strict rule); a prompt's accuracy is the mean over its images. Per-tag figures average
 over images, so every image counts once.
+
+Groups of images (`image_groups`): "overall" (one group "all"), "tag", "atom_count" (the number of
+atoms of the image's prompt, named by the number, in ascending order) and "atom_type" (the images
+with at least one atom of the type; an image belongs to several).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+GroupKind = Literal["overall", "tag", "atom_count", "atom_type"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +75,19 @@ def summarise_by_atom_type(results: list[ImageResult],
             scores[t].append(float(s))
     return {t: (float(np.mean(np.array(v) > pass_threshold)), float(np.mean(v)))
             for t, v in sorted(scores.items())}
+
+
+def image_groups(results: list[ImageResult], kind: GroupKind) -> dict[str, list[int]]:
+    """{group name: indices of its images in `results`}, groups in display order (see the module
+    docstring)."""
+    names = {"overall": lambda r: ["all"], "tag": lambda r: [r.tag],
+             "atom_count": lambda r: [str(len(r.scores))],
+             "atom_type": lambda r: sorted(set(r.atom_types))}
+    if kind not in names:
+        raise ValueError(f"group kind must be one of {sorted(names)}; got {kind!r}")
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(results):
+        for name in names[kind](r):
+            groups[name].append(i)
+    order = (lambda n: (int(n), n)) if kind == "atom_count" else (lambda n: (0, n))
+    return {name: groups[name] for name in sorted(groups, key=order)}

@@ -14,8 +14,9 @@ samples (in order, or shuffled per epoch with ``shuffle_seed``). Within a micro-
 steps are replayed one at a time and each step's share of the loss (its objective / K, plus
 kl_beta * its mean KL / K) is backpropagated at once, so activation memory is one step's, not K's.
 Both objectives and the KL are means over steps, so the accumulated gradient equals the gradient
-of the all-steps loss exactly; the recorded loss and statistics are recomputed from the detached
-all-steps log-probs. Then the grad norm is clipped to ``max_grad_norm`` and the optimizer steps.
+of the all-steps loss exactly; the recorded loss and statistics (overall, and the ratio mean and
+clip fraction per window step) are recomputed from the detached all-steps log-probs. Then the grad
+norm is clipped to ``max_grad_norm`` and the optimizer steps.
 
 Guards: a micro-batch whose loss or grad norm is not finite gets its grads zeroed and no optimizer
 step; its ``UpdateStep`` says skipped=True and why. The first inner step (weights still those of
@@ -128,8 +129,10 @@ class PolicyConfig:
 @dataclass(frozen=True)
 class UpdateStep:
     """One micro-batch step. loss (objective + kl_beta KL) and the PolicyLossStats fields are floats
-    over the micro-batch's samples, steps and positions; kl is None when kl_beta = 0; grad_norm is
-    the norm before clipping; first_ratio_ok is None except on the first inner step."""
+    over the micro-batch's samples, steps and positions; ratio_mean_per_step and
+    clip_fraction_per_step have K entries (window-step order), each over the micro-batch's samples
+    and positions; kl is None when kl_beta = 0; grad_norm is the norm before clipping;
+    first_ratio_ok is None except on the first inner step."""
 
     epoch: int
     micro_batch: int
@@ -144,6 +147,8 @@ class UpdateStep:
     skipped: bool
     skip_reason: str | None
     first_ratio_ok: bool | None
+    ratio_mean_per_step: tuple[float, ...]
+    clip_fraction_per_step: tuple[float, ...]
 
 
 def _check_advantages(advantages: Tensor, rollout: Rollout, kind: AdvantageKind) -> None:
@@ -237,6 +242,8 @@ def _guarded_step(
         skipped=reason is not None,
         skip_reason=reason,
         first_ratio_ok=first,
+        ratio_mean_per_step=tuple(stats.ratio_mean_per_step.tolist()),
+        clip_fraction_per_step=tuple(stats.clip_fraction_per_step.tolist()),
     )
 
 

@@ -1,11 +1,14 @@
-"""Stage `evaluate`: a policy checkpoint on the recipe's eval splits -> `evals` rows per tag and per
-atom type, an image grid per split and a bar plot (PNG blobs).
+"""Stage `evaluate`: a policy checkpoint on the recipe's eval splits -> `evals` rows per split for
+the whole split ("overall"), each tag, each atom type and each atom count (the number of atoms of
+the prompt), an image grid per split and a bar plot (PNG blobs).
 
 Images: `eval.images_per_prompt` per prompt, ODE sampling at the eval section's steps and CFG,
 seeds from the prompt text and image index (`tasks.evaluate.content_seed`), so every checkpoint
 is judged on the same starting noise. Strict accuracy: every atom of the image scores > 0.5.
 Diversity: mean over prompts of the mean pairwise (1 - cosine) between the layout embeddings of the
-prompt's images (how much a checkpoint's samples for one prompt differ; a collapse shows as a drop).
+prompt's images (how much a checkpoint's samples for one prompt differ; a collapse shows as a drop),
+on the overall row only. hf_energy: the group's mean high-frequency energy of the images
+(`cast_core.diagnostics.high_frequency_energy`; noise or stripes that hack the reward raise it).
 Iteration -1 is the base model. Cached on the checkpoint's hash and the eval spec's hash.
 """
 
@@ -16,7 +19,8 @@ import io
 import torch
 from prefect import task
 
-from cast_core.metrics import ImageResult, summarise_by_atom_type, summarise_by_tag
+from cast_core.diagnostics import high_frequency_energy
+from cast_core.metrics import ImageResult, image_groups, summarise, summarise_by_atom_type
 from cast_core.sampling import sample_ode
 from cast_core.shapes.prompts import load_prompt_file
 from tasks.evaluate import content_seed
@@ -45,7 +49,7 @@ def _plot(rows: list[dict], title: str) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    tags = [r for r in rows if r["group_kind"] == "tag"]
+    tags = [r for r in rows if r["group_kind"] in ("overall", "tag")]
     fig = Figure(figsize=(8, 3.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -59,6 +63,27 @@ def _plot(rows: list[dict], title: str) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def _group_rows(base: dict, results: list[ImageResult], hf: torch.Tensor,
+                diversity: float | None) -> list[dict]:
+    """`evals` rows of one split: overall, per tag, per atom count, per atom type."""
+    rows = []
+    for kind in ("overall", "tag", "atom_count"):
+        for name, index in image_groups(results, kind).items():
+            t = summarise(name, [results[i] for i in index])
+            rows.append({**base, "group_kind": kind, "group_name": name, "images": t.images,
+                         "strict_accuracy": t.strict_accuracy, "atom_accuracy": t.atom_accuracy,
+                         "mean_score": t.mean_atom_score,
+                         "diversity": diversity if kind == "overall" else None,
+                         "hf_energy": float(hf[index].mean())})
+    by_type = image_groups(results, "atom_type")
+    rows += [{**base, "group_kind": "atom_type", "group_name": kind,
+              "images": len(by_type[kind]), "strict_accuracy": acc, "atom_accuracy": acc,
+              "mean_score": mean, "diversity": None,
+              "hf_energy": float(hf[by_type[kind]].mean())}
+             for kind, (acc, mean) in summarise_by_atom_type(results).items()]
+    return rows
 
 
 def eval_spec_hash(recipe: Recipe) -> str:
@@ -99,16 +124,8 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
             base = {"run_id": run_id, "iteration": iteration,
                     "checkpoint_hash": policy.policy_hash, "eval_spec_hash": eval_spec_hash(recipe),
                     "split": split}
-            diversity = _diversity(images, ev.images_per_prompt)
-            rows += [{**base, "group_kind": "tag", "group_name": t.name, "images": t.images,
-                      "strict_accuracy": t.strict_accuracy, "atom_accuracy": t.atom_accuracy,
-                      "mean_score": t.mean_atom_score,
-                      "diversity": diversity if t.name == "all" else None}
-                     for t in summarise_by_tag(results)]
-            rows += [{**base, "group_kind": "atom_type", "group_name": kind, "images": len(results),
-                      "strict_accuracy": acc, "atom_accuracy": acc, "mean_score": mean,
-                      "diversity": None}
-                     for kind, (acc, mean) in summarise_by_atom_type(results).items()]
+            hf = high_frequency_energy(images)  # [N]
+            rows += _group_rows(base, results, hf, _diversity(images, ev.images_per_prompt))
             grid = (images[:64] * 255).round().to(torch.uint8)
             refs.append(store.put_blob(contact_sheet(grid, ev.images_per_prompt), "png"))
         refs.append(store.put_blob(_plot(rows, f"{run_id}: iteration {iteration}"), "png"))
@@ -127,7 +144,7 @@ def latest_checkpoint(store: Store, recipe: Recipe) -> int:
 
 
 def eval_report(store: Store, recipe: Recipe, iteration: int) -> dict:
-    """Refresh the catalog and print this checkpoint's per-tag table (and the history)."""
+    """Refresh the catalog and print this checkpoint's table per group (and the history)."""
     from tasks.report import format_rows
 
     store.refresh_catalog()
@@ -136,17 +153,19 @@ def eval_report(store: Store, recipe: Recipe, iteration: int) -> dict:
         cursor = con.execute(
             "SELECT split, group_kind, group_name, images, round(strict_accuracy, 3)::DOUBLE AS "
             "strict, round(mean_score, 3)::DOUBLE AS mean_score, round(diversity, 4)::DOUBLE AS "
-            "diversity FROM evals WHERE run_id = $run AND iteration = $k "
-            "ORDER BY split, group_kind DESC, group_name", {"run": recipe.run.name, "k": iteration})
+            "diversity, round(hf_energy, 4)::DOUBLE AS hf_energy FROM evals WHERE run_id = $run "
+            "AND iteration = $k ORDER BY split, group_kind DESC, TRY_CAST(group_name AS INTEGER), "
+            "group_name",
+            {"run": recipe.run.name, "k": iteration})
         columns, rows = [d[0] for d in cursor.description], cursor.fetchall()
         history = con.execute(
             "SELECT iteration, split, round(strict_accuracy, 3)::DOUBLE FROM evals WHERE run_id = "
-            "$run AND group_kind = 'tag' AND group_name = 'all' ORDER BY iteration, split",
+            "$run AND group_kind = 'overall' ORDER BY iteration, split",
             {"run": recipe.run.name}).fetchall()
     finally:
         con.close()
     print(f"run {recipe.run.name!r}, checkpoint of iteration {iteration} (-1 = base):\n"
-          f"{format_rows(columns, rows)}\n\nstrict accuracy ('all') by iteration:\n"
+          f"{format_rows(columns, rows)}\n\nstrict accuracy (overall) by iteration:\n"
           f"{format_rows(['iteration', 'split', 'strict'], history)}")
     return {"run_id": recipe.run.name, "iteration": iteration,
             "rows": [dict(zip(columns, r)) for r in rows]}

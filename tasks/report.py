@@ -1,5 +1,6 @@
 """Small tasks around the stages: which iteration is next, and the end-of-iteration report
-(refresh the DuckDB catalog, query this iteration's atom scores, print where results are)."""
+(refresh the DuckDB catalog, query this iteration's atom scores and training diagnostics, print
+where results are)."""
 
 from __future__ import annotations
 
@@ -53,16 +54,25 @@ def iteration_report(store: Store, recipe: Recipe, iteration: int) -> dict:
             "count(*) FILTER (WHERE skipped) FROM train_steps "
             "WHERE run_id = $run_id AND iteration = $iteration",
             {"run_id": recipe.run.name, "iteration": iteration}).fetchone()
+        diagnostics = con.execute(
+            "SELECT param_change_norm, rollout_hf_energy, constant_reward_alarm, alarm_reason "
+            "FROM checkpoints WHERE run_id = $run_id AND iteration = $iteration",
+            {"run_id": recipe.run.name, "iteration": iteration}).fetchone()
     finally:
         con.close()
     table = format_rows(columns, rows)
+    change, hf, alarm, reason = diagnostics or (None, None, None, None)
     print(f"run {recipe.run.name!r}, iteration {iteration} finished.\n"
           f"store: {store.root}\ncatalog: {store.catalog_path} "
           f"(query with: cast sql \"SELECT ...\" --root {store.root})\n"
           f"train: mean loss {loss[0]}, mean clip fraction {loss[1]}, skipped steps {loss[2]}\n"
+          f"diagnostics: LoRA change norm {change}, rollout high-frequency energy {hf}, "
+          f"constant-reward alarm: {reason if alarm else 'none'}\n"
           f"atom scores of this iteration:\n{table}")
     return {"run_id": recipe.run.name, "iteration": iteration, "store": str(store.root),
-            "atom_scores": [dict(zip(columns, r)) for r in rows]}
+            "atom_scores": [dict(zip(columns, r)) for r in rows],
+            "diagnostics": {"param_change_norm": change, "rollout_hf_energy": hf,
+                            "constant_reward_alarm": alarm, "alarm_reason": reason}}
 
 
 next_iteration_task = task(next_iteration, name="next_iteration")

@@ -14,6 +14,19 @@ Conventions:
   change.
 - `windows` names its bounds `window_start` / `window_end` (as `rollouts` does): `end` is an SQL
   keyword and would need quoting in every query.
+
+Diagnostics (version 2 of train_steps, checkpoints, evals; `cast_core/diagnostics.py` defines
+them):
+- `train_steps.ratio_mean_per_step` / `clip_fraction_per_step`: K values in window-step order,
+  each over the micro-batch's samples and positions (null when the step was skipped).
+- `checkpoints` is the one row per iteration, so it carries the iteration's diagnostics:
+  `param_change_norm` = ||theta_after - theta_before||_2 of the LoRA parameters over the
+  iteration's training; `rollout_hf_energy` = mean high-frequency energy of the iteration's
+  rollout images; `constant_reward_alarm` and `alarm_reason` (null without an alarm): every group
+  of some atom type had zero variance, or all scalar rewards were equal.
+- `evals.group_kind` is "overall" (group_name "all"), "tag", "atom_type" (images: those with at
+  least one atom of the type; strict_accuracy = atom_accuracy there) or "atom_count" (group_name
+  the number of atoms of the prompt); `hf_energy` is the group's mean image high-frequency energy.
 """
 
 from __future__ import annotations
@@ -97,12 +110,17 @@ _SPECS = (
            *_KEYS, ("reward", F64), ("scalar_advantage", F64), ("blob_index", I32),
            ("map_path", STR), ("map_hash", STR), ("map_h", I32), ("map_w", I32), ("mass", F64),
            ("coverage", F64)),
-    _table("checkpoints", 1, "The LoRA policy and optimizer state after an iteration's training.",
+    _table("checkpoints", 2,
+           "The LoRA policy and optimizer state after an iteration's training, with the "
+           "iteration's diagnostics: LoRA change norm, rollout HF energy, constant-reward alarm.",
            ("run_id", STR), ("iteration", I32), ("policy_hash", STR), ("lora_path", STR),
            ("optimizer_path", STR), ("optimizer_hash", STR), ("base_hash", STR),
-           ("lora_rank", I32), ("lora_alpha", F64), ("optimizer_steps", I64)),
-    _table("train_steps", 1,
-           "One optimizer step: loss and diagnostics (null when skipped), rewards, stage timings.",
+           ("lora_rank", I32), ("lora_alpha", F64), ("optimizer_steps", I64),
+           ("param_change_norm", F64), ("rollout_hf_energy", F64),
+           ("constant_reward_alarm", BOOL), ("alarm_reason", STR, _NULL)),
+    _table("train_steps", 2,
+           "One optimizer step: loss and diagnostics (null when skipped; ratio mean and clip "
+           "fraction also per window step), rewards, stage timings.",
            ("run_id", STR), ("iteration", I32), ("step", I64), ("inner_epoch", I32),
            ("loss", F64, _NULL), ("clip_fraction", F64, _NULL), ("ratio_mean", F64, _NULL),
            ("ratio_std", F64, _NULL), ("approx_kl", F64, _NULL), ("kl", F64, _NULL),
@@ -110,12 +128,15 @@ _SPECS = (
            ("skip_reason", STR, _NULL), ("lr", F64), ("reward_object", F64, _NULL),
            ("reward_count", F64, _NULL), ("reward_attribute", F64, _NULL),
            ("reward_relation", F64, _NULL), ("zero_variance_fraction", F64),
-           ("stage_seconds_json", STR)),
-    _table("evals", 1, "Evaluation of one checkpoint on one group (tag or atom type) of a split.",
+           ("stage_seconds_json", STR), ("ratio_mean_per_step", _list(F64), _NULL),
+           ("clip_fraction_per_step", _list(F64), _NULL)),
+    _table("evals", 2,
+           "Evaluation of one checkpoint on one group of a split (overall, tag, atom type or "
+           "atom count), with the group's mean image high-frequency energy.",
            ("run_id", STR), ("iteration", I32), ("checkpoint_hash", STR), ("eval_spec_hash", STR),
            ("split", STR), ("group_kind", STR), ("group_name", STR), ("images", I32),
            ("strict_accuracy", F64), ("atom_accuracy", F64), ("mean_score", F64),
-           ("diversity", F64, _NULL)),
+           ("diversity", F64, _NULL), ("hf_energy", F64)),
 )
 
 TABLES: Mapping[str, TableSpec] = {s.name: s for s in _SPECS}

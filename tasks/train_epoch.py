@@ -5,13 +5,18 @@ the stored window steps, and the advantages the recipe selects ("spatial": the C
 log-prob grid; "scalar": Flow-GRPO's per-sample advantage), runs `cast_core.policy.policy_update`
 (inner epochs x micro-batches, clipped objective, optional KL to the adapter-free base, NaN/Inf
 guard that skips and records a bad micro-batch), and writes:
-- `train_steps`: one row per micro-batch step with loss, clip fraction, ratio mean/std, approx KL,
-  KL, grad norm, skip flag and reason, lr, this iteration's mean score per atom type, the fraction
-  of zero-variance atom groups, and the wall seconds of this iteration's earlier stages;
+- `train_steps`: one row per micro-batch step with loss, clip fraction, ratio mean/std (also the
+  ratio mean and clip fraction per window step), approx KL, KL, grad norm, skip flag and reason,
+  lr, this iteration's mean score per atom type, the fraction of zero-variance atom groups, and
+  the wall seconds of this iteration's earlier stages;
 - the new LoRA weights and optimizer state (safetensors blobs) and a `checkpoints` row, which the
-  next iteration's rollout and training start from.
+  next iteration's rollout and training start from, with the iteration's diagnostics
+  (`cast_core.diagnostics`): the norm of the LoRA change over this training, the mean
+  high-frequency energy of the rollout images, and the constant-reward alarm.
 The first inner step must see ratio 1 (same weights as the rollout); when it does not, a warning
-with the figures is logged and the row keeps them.
+with the figures is logged and the row keeps them. A constant-reward alarm (every group of an atom
+type tied, or all scalar rewards equal: no learning signal from that reward) is logged as a
+warning with its figures and recorded.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from cast_core.policy import PolicyConfig, policy_update
+from cast_core.diagnostics import (
+    RewardAlarm,
+    constant_reward_alarm,
+    high_frequency_energy,
+    param_change_norm,
+)
+from cast_core.policy import PolicyConfig, UpdateStep, policy_update
 from cast_core.rollout import Rollout, RolloutSpec
 from cast_core.window import SdeWindow
 from tasks.models import (
@@ -76,9 +87,11 @@ def _stage_seconds(store: Store, run_id: str, iteration: int) -> str:
                        for r in rows}, sort_keys=True)
 
 
-def _iteration_stats(store: Store, scores: StageRef, advantages: StageRef) -> dict:
+def _iteration_stats(store: Store, scores: StageRef, advantages: StageRef,
+                     std_floor: float) -> tuple[dict, RewardAlarm]:
+    """(mean score per atom type and the zero-variance fraction, the constant-reward alarm)."""
     table = pq.read_table(store.resolve(scores.path_with("/atom_scores/")),
-                          columns=["atom_type", "score"]).to_pylist()
+                          columns=["prompt_id", "atom_id", "atom_type", "score"]).to_pylist()
     out = {}
     for kind in ATOM_TYPES:
         values = [r["score"] for r in table if r["atom_type"] == kind]
@@ -87,7 +100,28 @@ def _iteration_stats(store: Store, scores: StageRef, advantages: StageRef) -> di
                         columns=["prompt_id", "atom_id", "zero_variance"]).to_pylist()
     groups = {(r["prompt_id"], r["atom_id"]): r["zero_variance"] for r in adv}
     out["zero_variance_fraction"] = sum(groups.values()) / max(1, len(groups))
-    return out
+    types = {(r["prompt_id"], r["atom_id"]): r["atom_type"] for r in table}
+    by_type: dict[str, list[bool]] = {}
+    for key, flag in sorted(groups.items()):
+        by_type.setdefault(types[key], []).append(flag)
+    rewards = pq.read_table(store.resolve(advantages.path_with("/advantage_maps/")),
+                            columns=["reward"])["reward"].to_pylist()
+    alarm = constant_reward_alarm({k: torch.tensor(v) for k, v in by_type.items()},
+                                  torch.tensor(rewards, dtype=torch.float64), std_floor)
+    return out, alarm
+
+
+def _step_row(u: UpdateStep) -> dict:
+    """The train_steps columns of one UpdateStep (diagnostics null when it was skipped)."""
+    def kept(value):
+        return None if u.skipped else value
+
+    return {"inner_epoch": u.epoch, "loss": kept(u.loss), "clip_fraction": kept(u.clip_fraction),
+            "ratio_mean": kept(u.ratio_mean), "ratio_std": kept(u.ratio_std),
+            "approx_kl": kept(u.approx_kl), "kl": u.kl, "grad_norm": kept(u.grad_norm),
+            "adv_mass": u.adv_mass, "skipped": u.skipped, "skip_reason": u.skip_reason,
+            "ratio_mean_per_step": kept(list(u.ratio_mean_per_step)),
+            "clip_fraction_per_step": kept(list(u.clip_fraction_per_step))}
 
 
 def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef,
@@ -133,6 +167,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                               kl_beta=tr.kl_beta, inner_epochs=tr.inner_epochs,
                               micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
         total = -(-len(rows) // tr.micro_batch) * tr.inner_epochs
+        before = [p.detach().clone() for p in params]
         with tqdm(total=total, desc=f"train {iteration}", unit="step", mininterval=1.0) as bar:
             def show(u) -> None:
                 bar.set_postfix(loss="skipped" if u.skipped else f"{u.loss:.4f}",
@@ -148,17 +183,14 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                 "first inner step ratio is not 1: ratio_mean=%.6f ratio_std=%.6f (tolerance "
                 "%.0e); rollout and replay disagree (dropout, precision, CFG or changed weights)",
                 first.ratio_mean, first.ratio_std, config.ratio_tol)
-        stats = _iteration_stats(store, scores, advantages)
+        stats, alarm = _iteration_stats(store, scores, advantages, recipe.advantage.std_floor)
+        if alarm.alarm:
+            _logger().warning("constant-reward alarm at iteration %d: %s", iteration, alarm.reason)
+        images = store.get_tensors(rows[0]["image_path"])["images"][index]  # uint8 [N, 3, H, W]
         seconds = _stage_seconds(store, run_id, iteration)
         step_rows = [{"run_id": run_id, "iteration": iteration, "step": steps_before + j,
-                      "inner_epoch": u.epoch, "loss": None if u.skipped else u.loss,
-                      "clip_fraction": None if u.skipped else u.clip_fraction,
-                      "ratio_mean": None if u.skipped else u.ratio_mean,
-                      "ratio_std": None if u.skipped else u.ratio_std,
-                      "approx_kl": None if u.skipped else u.approx_kl, "kl": u.kl,
-                      "grad_norm": None if u.skipped else u.grad_norm, "adv_mass": u.adv_mass,
-                      "skipped": u.skipped, "skip_reason": u.skip_reason, "lr": tr.lr,
-                      **stats, "stage_seconds_json": seconds} for j, u in enumerate(updates)]
+                      **_step_row(u), "lr": tr.lr, **stats, "stage_seconds_json": seconds}
+                     for j, u in enumerate(updates)]
         lora_blob = store.put_tensors(lora_tensors(backbone))
         opt_tensors, groups = optimizer_tensors(optimizer)
         opt_blob = store.put_tensors(opt_tensors, metadata={"param_groups": groups})
@@ -168,7 +200,10 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                       "lora_path": lora_blob.path, "optimizer_path": opt_blob.path,
                       "optimizer_hash": opt_blob.sha256, "base_hash": base_hash(recipe),
                       "lora_rank": tr.lora_rank, "lora_alpha": tr.lora_alpha,
-                      "optimizer_steps": optimizer_steps}
+                      "optimizer_steps": optimizer_steps,
+                      "param_change_norm": param_change_norm(before, params),
+                      "rollout_hf_energy": float(high_frequency_energy(images / 255.0).mean()),
+                      "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason}
         return [store.write_table("train_steps", step_rows, part), lora_blob, opt_blob,
                 store.write_table("checkpoints", [checkpoint], part)]
 

@@ -347,7 +347,7 @@ def test_cli_tables_and_examples(tmp_path, capsys):
     assert main(["tables", "--root", str(tmp_path)]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
     assert set(TABLES) <= set(rows)
-    assert rows["atom_scores"] == ["1", "32"] and rows["evals"] == ["1", "0"]
+    assert rows["atom_scores"] == ["1", "32"] and rows["evals"] == [str(TABLES["evals"].version), "0"]
     assert main(["examples"]) == 0
     out = capsys.readouterr().out
     assert all(q in out for q in EXAMPLE_QUERIES.values())
