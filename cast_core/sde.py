@@ -15,11 +15,15 @@ Steps (a is the noise level):
 Sampling is x_next = mean + std z, z ~ N(0, I).
 
 Every clamp and floor:
-- flow_sde: t in the denominator 1 - t is clamped to t <= t_max (default 0.99), so the first step
-  (t = 1) has the finite std a sqrt(1 / (1 - t_max)) sqrt(-dt). Flow-GRPO instead replaces sigma = 1
-  by the schedule's second sigma; a constant keeps each step a function of (t, t_next) alone.
-- flow_sde: s^2 / (2t) is evaluated as a^2 / (2 (1 - min(t, t_max))), where t cancels exactly, so
-  there is no division by t.
+- flow_sde, first step: at t = 1 the denominator 1 - t would be 0; as in Flow-GRPO, t in 1 - t is
+  replaced by the schedule's second sigma, which is this step's t_next, so the first step has
+  std a sqrt(1 / (1 - t_next)) sqrt(-dt) (a function of (t, t_next) alone). Every other t in the
+  denominator is also clamped to t <= t_max (default 0.99) for schedules that end near 1.
+  (An earlier version clamped only to t_max = 0.99 at t = 1: with 10 steps that made the first
+  step's std 3.2 times Flow-GRPO's and its drift correction 10 times larger, so a window that
+  starts at the first step gave samples that the remaining ODE steps could not denoise.)
+- flow_sde: s^2 / (2t) is evaluated as a^2 / (2 (1 - t')) with t' the clamped t above, where t
+  cancels exactly, so there is no division by t.
 - log-probs: std is floored at ``std_floor`` (default 1e-6) inside the log density only, never when
   sampling, so a = 0 (std 0) and the CPS last step (t_next = 0, std 0) give finite log-probs.
 
@@ -158,7 +162,8 @@ def flow_sde_mean_std(
 ) -> GaussianStep:
     """Flow-SDE transition (Flow-GRPO). x_t, v: [N, C, *pos]; mean [N, C, *pos], std [N, 1, ...].
 
-    t_max clamps t in 1 - t (see the module docstring); noise_level a >= 0.
+    At t = 1 the t in 1 - t is t_next (Flow-GRPO); t_max clamps it otherwise (see the module
+    docstring); noise_level a >= 0.
     """
     _check_latent(x_t, "x_t")
     _check_noise_level(noise_level, upper=None)
@@ -166,7 +171,7 @@ def flow_sde_mean_std(
         raise ValueError(f"t_max must lie in (0, 1) to keep 1 - t positive; got {t_max!r}")
     t_, t_next_ = _step_times(x_t, t, t_next)
     dt = t_next_ - t_  # [N, 1, ...], negative
-    one_minus_t = 1 - t_.clamp(max=t_max)
+    one_minus_t = 1 - torch.where(t_ >= 1, t_next_, t_).clamp(max=t_max)
     s2_over_2t = noise_level**2 / (2 * one_minus_t)  # s^2 / (2t) with t cancelled
     mean = x_t + (v + s2_over_2t * _eps_hat(x_t, v, t_)) * dt
     std = noise_level * torch.sqrt(t_ / one_minus_t) * torch.sqrt(-dt)

@@ -115,10 +115,26 @@ def test_first_and_last_steps_are_finite(kind, t, t_next):
         assert torch.equal(step.std, torch.zeros_like(step.std))
 
 
-def test_flow_sde_clamps_t_at_the_first_step():
-    a, t_max = 0.7, 0.99
-    step = flow_sde_mean_std(_latents(14), _latents(15), 1.0, 0.9, a, t_max=t_max)
-    expected = a * math.sqrt(1.0 / (1.0 - t_max)) * math.sqrt(0.1)
+def test_flow_sde_first_step_uses_the_second_sigma_as_flow_grpo():
+    """Flow-GRPO's step at sigma = 1: std_dev_t = a sqrt(sigma / (1 - sigma_max)) with sigma_max
+    the schedule's second sigma, mean = x (1 + std_dev_t^2 / (2 sigma) dt)
+    + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt, noise std std_dev_t sqrt(-dt)."""
+    x_t, v = _latents(14, dtype=torch.float64), _latents(15, dtype=torch.float64)
+    a, t, t_next = 0.7, 1.0, 0.9
+    dt = t_next - t
+    std_dev_t = a * math.sqrt(t / (1 - t_next))
+    step = flow_sde_mean_std(x_t, v, t, t_next, a)
+    torch.testing.assert_close(step.std, torch.full((3, 1, 1, 1), std_dev_t * math.sqrt(-dt),
+                                                    dtype=torch.float64))
+    expected_mean = (x_t * (1 + std_dev_t**2 / (2 * t) * dt)
+                     + v * (1 + std_dev_t**2 * (1 - t) / (2 * t)) * dt)
+    torch.testing.assert_close(step.mean, expected_mean)
+
+
+def test_flow_sde_clamps_t_below_one_with_t_max():
+    a, t_max = 0.7, 0.95
+    step = flow_sde_mean_std(_latents(14), _latents(15), 0.98, 0.97, a, t_max=t_max)
+    expected = a * math.sqrt(0.98 / (1.0 - t_max)) * math.sqrt(0.01)
     torch.testing.assert_close(step.std, torch.full((3, 1, 1, 1), expected))
 
 
