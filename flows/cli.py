@@ -4,6 +4,8 @@
     cast tables [--root ROOT]        every declared table with its row count
     cast examples                    the example queries the README shows
     cast refresh [--root ROOT]       (re)build the catalog of views
+    cast serve-scorer --scorer soft-tifa --model PATH [--host H --port P --device cuda]
+                                     serve a scorer over HTTP (cast_core.scorers.service)
 
 ROOT defaults to $CAST_STORE, else runs/store. `sql` and `tables` open the catalog read-only and
 refresh nothing; `refresh` rebuilds it under the store's lock. Decimal results print as floats.
@@ -49,6 +51,11 @@ _CELL_WIDTH = 60
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve-scorer"]:  # its own CLI, with its own --help
+        from cast_core.scorers.service import main as serve_scorer
+
+        return serve_scorer(argv[1:]) or 0
     args = _parser().parse_args(argv)
     try:
         return _main(args)
@@ -97,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     tables = commands.add_parser("tables", help="list the tables with their row counts")
     refresh = commands.add_parser("refresh", help="rebuild catalog.duckdb over the Parquet files")
     commands.add_parser("examples", help="print the example queries")
+    commands.add_parser("serve-scorer", help="serve a scorer over HTTP (see: cast serve-scorer "
+                        "--help)")
     for command in (sql, tables, refresh):
         command.add_argument("--root", default=default_root,
                              help="store root (default: $CAST_STORE or runs/store)")

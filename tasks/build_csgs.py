@@ -8,8 +8,8 @@ the store untouched.
 
 from __future__ import annotations
 
-from cast_core.shapes.prompts import load_prompt_file
-from tasks.models import build_graph, builder_id
+from tasks.models import builder_id, graph_builder
+from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
 from tasks.stage import RUN_LEVEL, StageRef, file_hash, make_key, run_stage, stage_task
@@ -27,17 +27,18 @@ def build_csgs(store: Store, recipe: Recipe) -> StageRef:
     run_id = recipe.run.name
 
     def body():
-        records = load_prompt_file(recipe.prompts.train)
+        records = load_prompts(recipe, recipe.prompts.train)
+        build, builder = graph_builder(recipe), builder_id(recipe)
         csgs, atoms, seen = [], [], set()
         for record in records:
             pid = prompt_id(record["prompt"])
             if pid in seen:
                 continue
             seen.add(pid)
-            graph = build_graph(recipe, record)
+            graph = build(record)
             graph_atoms = graph.atoms()
             csgs.append({"run_id": run_id, "prompt_id": pid, "prompt": graph.prompt,
-                         "tag": record.get("tag"), "split": "train", "builder": builder_id(recipe),
+                         "tag": record.get("tag"), "split": "train", "builder": builder,
                          "graph_json": graph.to_json(), "num_atoms": len(graph_atoms)})
             atoms += [{"run_id": run_id, "prompt_id": pid, "atom_id": a.id, "atom_index": i,
                        "type": a.type, "question": a.question, "answer": a.answer,

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 
 from cast_core.calibration import calibrate_window as calibrate
 from cast_core.calibration import plot_calibration, similarity_curves
-from cast_core.shapes.prompts import load_prompt_file
 from cast_core.window import fixed_window
 from tasks.models import base_hash, load_base, set_threads
+from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
 from tasks.stage import RUN_LEVEL, StageRef, derive_seed, file_hash, make_key, run_stage, stage_task
@@ -28,12 +28,29 @@ from tasks.store import Store
 STAGE = "calibrate_window"
 
 
+def _embedder_kind(recipe: Recipe) -> str:
+    return recipe.window.embedder or ("layout" if recipe.backbone.family == "shapes" else "clip")
+
+
 def _embedder(recipe: Recipe):
-    if recipe.backbone.family == "shapes":
+    """The calibration's image embedder: the shapes layout embedder or CLIP ViT-L/14."""
+    if _embedder_kind(recipe) == "layout":
         from cast_core.shapes.embedder import LayoutEmbedder
 
         return LayoutEmbedder()
-    raise ValueError(f"no calibration embedder for backbone.family {recipe.backbone.family!r}")
+    from cast_core.clip_embedder import DEFAULT_MODEL, ClipEmbedder
+
+    return ClipEmbedder.from_pretrained(recipe.window.embedder_path or DEFAULT_MODEL,
+                                        device=recipe.backbone.device)
+
+
+def _embedder_spec(recipe: Recipe) -> str:
+    """The embedder's spec for the cache key, without loading a CLIP model."""
+    if _embedder_kind(recipe) == "layout":
+        return _embedder(recipe).spec
+    from cast_core.clip_embedder import DEFAULT_MODEL, ClipEmbedder
+
+    return ClipEmbedder.spec_for(recipe.window.embedder_path or DEFAULT_MODEL)
 
 
 def _calibration_file(recipe: Recipe) -> str:
@@ -44,7 +61,7 @@ def cache_key(store: Store, recipe: Recipe) -> str:
     inputs = {"base": base_hash(recipe)}
     if recipe.window.mode == "calibrated":
         inputs |= {"prompts": file_hash(_calibration_file(recipe)),
-                   "embedder": _embedder(recipe).spec}
+                   "embedder": _embedder_spec(recipe)}
     return make_key(STAGE, {"sampling": recipe.section_hash("sampling", "window"),
                             "seed": recipe.run.seed}, inputs)
 
@@ -63,7 +80,7 @@ def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
                     "window_start": window.start, "window_end": window.end, "plot_path": None}
             return [store.write_table("windows", [row], part)]
         set_threads(recipe)
-        records = load_prompt_file(_calibration_file(recipe))
+        records = load_prompts(recipe, _calibration_file(recipe))
         picks = [records[i * len(records) // w.calibration_prompts]
                  for i in range(min(w.calibration_prompts, len(records)))]
         prompts = [r["prompt"] for r in picks]

@@ -11,9 +11,13 @@ seed, so iteration 0 of two runs with the same seed starts from the same adapter
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import re
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,17 +36,63 @@ def set_threads(recipe: Recipe) -> None:
 
 
 def load_base(recipe: Recipe):
-    """The recipe's backbone with its base weights, in eval mode."""
-    if recipe.backbone.family == "shapes":
+    """The recipe's backbone with its base weights, in eval mode, on the recipe's device."""
+    b = recipe.backbone
+    if b.family == "shapes":
         from cast_core.backbones.shapes import ShapesBackbone
 
-        return ShapesBackbone.from_pretrained(recipe.backbone.path).eval()
-    raise ValueError(f"backbone.family {recipe.backbone.family!r} has no loader; known: 'shapes'")
+        return ShapesBackbone.from_pretrained(b.path).eval()
+    dtype = getattr(torch, b.dtype)
+    if b.family == "flux2":
+        from cast_core.backbones.flux2 import Flux2Backbone
+
+        backbone = Flux2Backbone.from_pretrained(
+            b.path, torch_dtype=dtype, embedding_cache_dir=b.embedding_cache, height=b.height,
+            width=b.width, max_sequence_length=b.max_sequence_length,
+            text_encoder_out_layers=b.text_encoder_out_layers)
+    elif b.family == "qwen_image":
+        from cast_core.backbones.qwen_image import QwenImageBackbone
+
+        backbone = QwenImageBackbone.from_pretrained(
+            b.path, torch_dtype=dtype, embedding_cache_dir=b.embedding_cache, height=b.height,
+            width=b.width, max_sequence_length=b.max_sequence_length,
+            prompt_template_encode_start_idx=b.prompt_template_encode_start_idx)
+    else:
+        raise ValueError(f"backbone.family {b.family!r} has no loader; known: 'shapes', 'flux2', "
+                         f"'qwen_image'")
+    if b.gradient_checkpointing:
+        backbone.enable_gradient_checkpointing()
+    return backbone.to(b.device).eval()
+
+
+def model_identity(path_or_hub_id: str) -> str:
+    """A content identity of a model folder or hub id, for cache keys: `repo@commit` for a
+    Hugging Face cache snapshot (a hub id is resolved to its snapshot first, downloading it as
+    `from_pretrained` would), else the sha256 of every file (memoised per process on the files'
+    names, sizes and mtimes, since real checkpoints are tens of GB)."""
+    path = Path(path_or_hub_id).expanduser()
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path_or_hub_id)))
+    path = path.resolve()
+    repo = path.parent.parent.name
+    if (path.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", path.name)
+            and repo.startswith("models--")):
+        return f"{repo[len('models--'):].replace('--', '/')}@{path.name}"
+    files = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in sorted(path.rglob("*")) if p.is_file())
+    return _tree_hash_memo(str(path), files)
+
+
+@functools.lru_cache(maxsize=16)
+def _tree_hash_memo(folder: str, files: tuple) -> str:
+    return tree_hash(folder)
 
 
 def base_hash(recipe: Recipe) -> str:
-    """Content hash of the base weights folder."""
-    return tree_hash(recipe.backbone.path)
+    """Identity of the base weights (see `model_identity`)."""
+    return model_identity(recipe.backbone.path)
 
 
 def load_policy(recipe: Recipe, lora: dict[str, torch.Tensor] | None):
@@ -85,15 +135,47 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, to
     optimizer.load_state_dict({"state": dict(state), "param_groups": json.loads(groups_json)})
 
 
+def graph_builder(recipe: Recipe) -> Callable[[dict], SceneGraph]:
+    """The recipe's CSG builder as one callable record -> SceneGraph (built once per stage, so a
+    local LLM loads once). The LLM builders cache accepted answers under `builder.cache_dir`."""
+    b = recipe.builder
+    if b.kind == "geneval-parser":
+        return graph_from_geneval
+    from cast_core.csg_llm import LlmCsgBuilder
+    from cast_core.csg_llm_clients import ChatEndpointClient, LocalCausalLMClient
+    from tasks.csg_cache import CsgCache
+
+    if b.kind == "llm-chat":
+        api_key = None
+        if b.api_key_env:
+            if b.api_key_env not in os.environ:
+                raise RuntimeError(f"builder.api_key_env names {b.api_key_env!r}, which is not "
+                                   f"set; export it or remove api_key_env")
+            api_key = os.environ[b.api_key_env]
+        client = ChatEndpointClient(b.base_url, b.model, api_key, timeout_s=b.timeout_s,
+                                    max_tokens=b.max_tokens)
+    elif b.kind == "llm-local":
+        client = LocalCausalLMClient(b.model, b.max_tokens, b.device)
+    else:
+        raise ValueError(f"builder.kind {b.kind!r} has no implementation")
+    builder = LlmCsgBuilder(client, builder_id(recipe), b.max_tries, CsgCache(b.cache_dir))
+    return lambda record: builder.build(record["prompt"], record.get("tag"))
+
+
 def build_graph(recipe: Recipe, record: dict) -> SceneGraph:
-    """One prompt record -> its CSG with the recipe's builder."""
-    if recipe.builder.kind == "geneval-parser":
-        return graph_from_geneval(record)
-    raise ValueError(f"builder.kind {recipe.builder.kind!r} has no implementation")
+    """One prompt record -> its CSG with the recipe's builder (see `graph_builder`)."""
+    return graph_builder(recipe)(record)
 
 
 def builder_id(recipe: Recipe) -> str:
-    return f"{recipe.builder.kind}-v1"
+    """The builder's identity in cache keys (model + template version for the LLM builders)."""
+    b = recipe.builder
+    if b.kind == "geneval-parser":
+        return "geneval-parser-v1"
+    from cast_core.csg_llm import TEMPLATE_VERSION
+
+    model = b.model if b.kind == "llm-chat" else model_identity(b.model)
+    return f"{b.kind}-{TEMPLATE_VERSION}({model})"
 
 
 Scorer = Callable[[torch.Tensor, list[SceneGraph]], list[tuple[np.ndarray, np.ndarray]]]
@@ -101,14 +183,46 @@ Scorer = Callable[[torch.Tensor, list[SceneGraph]], list[tuple[np.ndarray, np.nd
 
 def scorer(recipe: Recipe) -> tuple[str, Scorer]:
     """(scorer id, score(images [N, 3, H, W] in [0, 1], graphs) -> [(scores [A], heatmaps
-    [A, h, w])])."""
-    if recipe.scorer.kind == "shapes-verifier":
+    [A, h, w])]). Loads the model; use `scorer_id` for a cache key."""
+    s = recipe.scorer
+    if s.kind == "shapes-verifier":
         from cast_core.shapes.verifier import VerifierConfig, verify
 
         config = VerifierConfig()
 
         def score(images: torch.Tensor, graphs: list[SceneGraph]):
-            return [(s.scores, s.heatmaps) for s in verify(images, graphs, config)]
+            return [(r.scores, r.heatmaps) for r in verify(images, graphs, config)]
 
         return f"shapes-verifier-v1({config})", score
-    raise ValueError(f"scorer.kind {recipe.scorer.kind!r} has no implementation")
+    if s.kind == "soft-tifa":
+        from cast_core.scorers.soft_tifa import SoftTifaScorer
+
+        model = SoftTifaScorer.from_pretrained(s.path, _soft_tifa_config(recipe), device=s.device,
+                                               torch_dtype=s.dtype)
+        return scorer_id(recipe), model.score
+    if s.kind == "remote":
+        from cast_core.scorers.remote import RemoteScorer
+
+        remote = RemoteScorer(s.url, timeout_s=s.timeout_s, retries=s.retries)
+        return remote.scorer_id, remote.score
+    raise ValueError(f"scorer.kind {s.kind!r} has no implementation")
+
+
+def scorer_id(recipe: Recipe) -> str:
+    """The scorer's identity without loading its model (a remote scorer is asked for its id)."""
+    s = recipe.scorer
+    if s.kind == "shapes-verifier":
+        from cast_core.shapes.verifier import VerifierConfig
+
+        return f"shapes-verifier-v1({VerifierConfig()})"
+    if s.kind == "soft-tifa":
+        return f"soft-tifa-v1({model_identity(s.path)}, {_soft_tifa_config(recipe)})"
+    return scorer(recipe)[0]
+
+
+def _soft_tifa_config(recipe: Recipe):
+    from cast_core.scorers.soft_tifa import SoftTifaConfig
+
+    s = recipe.scorer
+    return SoftTifaConfig(layers=s.layers, relative_attention=s.relative_attention,
+                          max_pixels=s.max_pixels)

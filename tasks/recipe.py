@@ -41,16 +41,87 @@ class RunSection(_Section):
 
 
 class BackboneSection(_Section):
-    family: Literal["shapes"]
+    """The model being trained. `path` is a local folder or a hub id; the real families (`flux2`:
+    FLUX.2-dev / FLUX.2-klein, `qwen_image`: Qwen-Image / Qwen-Image-2512) read the image size,
+    dtype and text settings below; `shapes` takes its size from its own folder."""
+
+    family: Literal["shapes", "flux2", "qwen_image"]
     path: str
+    device: str = Field("cpu", description="torch device of the transformer, e.g. 'cuda'")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    height: int | None = Field(None, ge=16, description="image height (real families)")
+    width: int | None = Field(None, ge=16, description="image width (real families)")
+    max_sequence_length: int = Field(512, ge=1, le=1024)
+    text_encoder_out_layers: tuple[int, ...] | None = Field(
+        None, description="flux2: hidden-state layers stacked as prompt embeddings (None: the "
+        "variant's default)")
+    prompt_template_encode_start_idx: int = Field(
+        34, ge=0, description="qwen_image: token length of the prompt template's prefix")
+    embedding_cache: str | None = Field(
+        None, description="folder for cached prompt embeddings (safetensors); None = no cache")
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _family_fields(self) -> BackboneSection:
+        if self.family == "shapes":
+            given = [f for f in ("height", "width") if getattr(self, f) is not None]
+            if given or self.dtype != "float32":
+                raise ValueError(f"backbone.family = 'shapes' takes its size and dtype from its "
+                                 f"folder; remove {given or ['dtype']}")
+        elif self.height is None or self.width is None:
+            raise ValueError(f"backbone.family = {self.family!r} needs backbone.height and "
+                             f"backbone.width (e.g. 1024 and 1024)")
+        return self
 
 
 class ScorerSection(_Section):
-    kind: Literal["shapes-verifier"]
+    """Who scores atoms: the embedded exact verifier, Soft-TIFA on a local Qwen3-VL (`path`), or a
+    scorer service (`url`, see `cast serve-scorer`)."""
+
+    kind: Literal["shapes-verifier", "soft-tifa", "remote"]
+    path: str | None = Field(None, description="soft-tifa: Qwen3-VL folder or hub id")
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    layers: tuple[int, ...] | None = Field(None, description="soft-tifa: attention layers for "
+                                           "heatmaps (None: the middle-to-late half)")
+    relative_attention: bool = False
+    max_pixels: int | None = Field(262144, ge=784)
+    url: str | None = Field(None, description="remote: http://host:port of the scorer service")
+    timeout_s: float = Field(300.0, gt=0.0)
+    retries: int = Field(3, ge=0)
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ScorerSection:
+        if self.kind == "soft-tifa" and not self.path:
+            raise ValueError("scorer.kind = 'soft-tifa' needs scorer.path (a Qwen3-VL folder or "
+                             "hub id, e.g. 'Qwen/Qwen3-VL-8B-Instruct')")
+        if self.kind == "remote" and not self.url:
+            raise ValueError("scorer.kind = 'remote' needs scorer.url (e.g. http://host:8765)")
+        return self
 
 
 class BuilderSection(_Section):
-    kind: Literal["geneval-parser"]
+    """Who turns prompts into scene graphs: the GenEval-grammar parser, an LLM behind an
+    OpenAI-compatible endpoint (`base_url`, `model`), or a local causal LM (`model` = folder)."""
+
+    kind: Literal["geneval-parser", "llm-chat", "llm-local"]
+    base_url: str | None = Field(None, description="llm-chat: e.g. http://localhost:8000/v1")
+    model: str | None = Field(None, description="llm-chat: served model id; llm-local: folder")
+    api_key_env: str | None = Field(None, description="llm-chat: env variable with the API key")
+    max_tries: int = Field(3, ge=1)
+    max_tokens: int = Field(1024, ge=16)
+    timeout_s: float = Field(120.0, gt=0.0)
+    device: str = "cpu"
+    cache_dir: str = Field("runs/cache/csg_llm", description="accepted LLM answers, one JSON file "
+                           "per (prompt, model, template version)")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> BuilderSection:
+        if self.kind == "llm-chat" and not (self.base_url and self.model):
+            raise ValueError("builder.kind = 'llm-chat' needs builder.base_url and builder.model")
+        if self.kind == "llm-local" and not self.model:
+            raise ValueError("builder.kind = 'llm-local' needs builder.model (a model folder)")
+        return self
 
 
 class PromptsSection(_Section):
@@ -76,6 +147,11 @@ class WindowSection(_Section):
     calibration_file: str | None = None
     method: Literal["curvature", "threshold"] = "curvature"
     threshold: float = Field(0.9, gt=0.0, lt=1.0)
+    embedder: Literal["layout", "clip"] | None = Field(
+        None, description="image embedder of the calibration (None: 'layout' for the shapes "
+        "family, 'clip' otherwise)")
+    embedder_path: str | None = Field(None, description="clip: folder or hub id (None: "
+                                      "openai/clip-vit-large-patch14)")
 
 
 class AdvantageSection(_Section):

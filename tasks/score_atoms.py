@@ -11,7 +11,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 
 from cast_core.csg import SceneGraph
-from tasks.models import scorer, set_threads
+from tasks.models import scorer, scorer_id, set_threads
 from tasks.recipe import Recipe
 from tasks.stage import StageRef, make_key, run_stage, stage_task
 from tasks.store import Store
@@ -32,7 +32,7 @@ def load_graphs(store: Store, csgs: StageRef) -> dict[str, str]:
 
 
 def cache_key(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef) -> str:
-    return make_key(STAGE, {"scorer": scorer(recipe)[0]},
+    return make_key(STAGE, {"scorer": scorer_id(recipe)},
                     {"rollouts": rollouts.content_hash, "csgs": csgs.content_hash})
 
 
