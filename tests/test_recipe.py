@@ -44,8 +44,8 @@ def test_committed_recipes_load(name, kind, mode, b, g):
 
 def test_committed_recipes_differ_and_are_frozen():
     recipes = [load_recipe(p) for p in sorted(RECIPES.glob("*.toml"))]
-    assert len(recipes) == 3
-    assert len({r.content_hash() for r in recipes}) == 3
+    assert len(recipes) == 6
+    assert len({r.content_hash() for r in recipes}) == 6
     with pytest.raises(pydantic.ValidationError):
         recipes[0].prompts.group_size = 3
 
@@ -177,3 +177,42 @@ def test_command_line_overrides_are_json_values_with_clear_errors():
         parse_overrides(["prompts.per_iteration"])
     with pytest.raises(RecipeError, match="not JSON"):
         parse_overrides(["run.name=x y"])
+
+
+@pytest.mark.parametrize("name, family, steps", [
+    ("flux2-klein-cast", "flux2", 10),
+    ("flux2-dev-cast", "flux2", 6),
+    ("qwen-image-2512-cast", "qwen_image", 10),
+])
+def test_real_model_recipes_load(name, family, steps):
+    recipe = load_recipe(RECIPES / f"{name}.toml")
+    assert (recipe.run.name, recipe.backbone.family, recipe.sampling.num_steps) == (
+        name, family, steps)
+    assert recipe.backbone.dtype == "bfloat16" and recipe.backbone.device == "cuda"
+    assert (recipe.backbone.height, recipe.backbone.width) == (512, 512)
+    assert recipe.scorer.kind == "soft-tifa" and recipe.window.embedder == "clip"
+    assert recipe.advantage.kind == "spatial" and recipe.window.mode == "calibrated"
+
+
+@pytest.mark.parametrize("overrides, field, hint", [
+    ({"backbone.family": "flux2"}, "backbone", "backbone.height and backbone.width"),
+    ({"backbone.height": 512}, "backbone", "takes its size and dtype from its folder"),
+    ({"scorer.kind": "soft-tifa"}, "scorer", "scorer.path"),
+    ({"scorer.kind": "remote"}, "scorer", "scorer.url"),
+    ({"builder.kind": "llm-chat"}, "builder", "builder.base_url and builder.model"),
+    ({"builder.kind": "llm-local"}, "builder", "builder.model"),
+    ({"window.embedder": "dino"}, "window.embedder", "'clip'"),
+])
+def test_real_model_fields_say_what_is_missing(overrides, field, hint):
+    message = _error(CI, overrides)
+    assert field in message and hint in message
+
+
+def test_real_model_fields_accepted_when_complete():
+    recipe = load_recipe(CI, {"backbone.family": "qwen_image", "backbone.height": 256,
+                              "backbone.width": 384, "backbone.dtype": "bfloat16",
+                              "scorer.kind": "remote", "scorer.url": "http://127.0.0.1:8765",
+                              "builder.kind": "llm-chat", "builder.base_url": "http://x/v1",
+                              "builder.model": "qwen", "window.embedder": "clip"})
+    assert recipe.backbone.width == 384 and recipe.scorer.url.endswith("8765")
+    assert recipe.builder.max_tries == 3 and recipe.builder.cache_dir == "runs/cache/csg_llm"
