@@ -17,6 +17,11 @@ puts the positioned clause first, so both paths give the same graph.
 Plurals: rules plus a small irregular table. The table also undoes GenEval's own naive plural
 (name + "es" after a final s, else + "s"), so "two computer mouses", "two skises" and
 "two knifes" from GenEval's generator parse back to their class names.
+
+Atoms are built by `object_node` and `relation_edge`, which are more general than this grammar
+needs (any attribute keys, any edge id and endpoints) because the LLM builder
+(`cast_core.csg_llm`) uses them too: both paths share one way of writing questions, answers and
+parent links. Count and relation questions name an object by its colour only.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ class NounPhrase:
     count: int
     color: str | None = None
 
+    @property
+    def attributes(self) -> tuple[tuple[str, str], ...]:
+        return (("color", self.color),) if self.color else ()
+
 
 def singularize(noun: str) -> str:
     """Singular of a plural noun phrase: only its last word changes ("wine glasses")."""
@@ -111,13 +120,6 @@ def noun_phrase(count: int, noun: str, color: str | None = None) -> str:
     words = [w for w in (color, noun if count == 1 else pluralize(noun)) if w]
     head = ("an" if words[0][0] in "aeiou" else "a") if count == 1 else NUMBER_NAMES[count]
     return " ".join([head, *words])
-
-
-def _description(p: NounPhrase) -> str:
-    """NP after "the" in a relation question: "red circle", "two red circles"."""
-    words = [NUMBER_NAMES[p.count] if p.count > 1 else None, p.color,
-             p.noun if p.count == 1 else pluralize(p.noun)]
-    return " ".join(w for w in words if w)
 
 
 def _fail(prompt: str, reason: str) -> PromptParseError:
@@ -206,31 +208,45 @@ def build_graph(prompt: str, phrases: list[NounPhrase], relation: str | None = N
     if repeated:
         raise _fail(prompt, f"noun phrases {repeated} appear twice; state each kind once with "
                             "its total count")
-    nodes = tuple(_node(i, p) for i, p in enumerate(phrases))
-    edges = (_edge(phrases[0], relation, phrases[1]),) if relation else ()
+    nodes = tuple(object_node(f"obj{i}", p.noun, p.count, p.attributes)
+                  for i, p in enumerate(phrases))
+    edges = (relation_edge("rel0", nodes[0], relation, nodes[1]),) if relation else ()
     graph = SceneGraph(prompt, nodes, edges, tag)
     validate_graph(graph)
     return graph
 
 
-def _node(index: int, p: NounPhrase) -> ObjectNode:
-    node_id = f"obj{index}"
-    atoms = [Atom(node_id, "object", f"Is there {noun_phrase(1, p.noun)}?", "yes", (), node_id)]
-    if p.count > 1:
-        what = " ".join(w for w in (p.color, pluralize(p.noun)) if w)
-        atoms.append(Atom(f"{node_id}/count", "count", f"How many {what} are there?",
-                          str(p.count), (node_id,), node_id, value=str(p.count)))
-    if p.color:
-        question = (f"Is the {p.noun} {p.color}?" if p.count == 1
-                    else f"Are the {pluralize(p.noun)} {p.color}?")
-        atoms.append(Atom(f"{node_id}/color", "attribute", question, "yes", (node_id,), node_id,
-                          value=p.color))
-    attributes = (("color", p.color),) if p.color else ()
-    return ObjectNode(node_id, p.noun, p.count, attributes, tuple(atoms))
+def object_node(node_id: str, noun: str, count: int,
+                attributes: tuple[tuple[str, str], ...]) -> ObjectNode:
+    """Node with its object atom, a count atom when count >= 2, then one atom per attribute
+    ("<node_id>/<key>") in the order given."""
+    atoms = [Atom(node_id, "object", f"Is there {noun_phrase(1, noun)}?", "yes", (), node_id)]
+    color = dict(attributes).get("color")
+    if count > 1:
+        what = " ".join(w for w in (color, pluralize(noun)) if w)
+        atoms.append(Atom(f"{node_id}/count", "count", f"How many {what} are there?", str(count),
+                          (node_id,), node_id, value=str(count)))
+    ask = f"Is the {noun}" if count == 1 else f"Are the {pluralize(noun)}"
+    for key, value in attributes:
+        atoms.append(Atom(f"{node_id}/{key}", "attribute", f"{ask} {value}?", "yes",
+                          (node_id,), node_id, value=value))
+    return ObjectNode(node_id, noun, count, attributes, tuple(atoms))
 
 
-def _edge(subject: NounPhrase, relation: str, obj: NounPhrase) -> RelationEdge:
-    verb = "Is" if subject.count == 1 else "Are"
-    question = f"{verb} the {_description(subject)} {relation} the {_description(obj)}?"
-    atom = Atom("rel0", "relation", question, "yes", ("obj0", "obj1"), "obj0", "obj1", relation)
-    return RelationEdge("rel0", "obj0", relation, "obj1", (atom,))
+def relation_edge(edge_id: str, subject_node: ObjectNode, relation: str,
+                  object_node: ObjectNode) -> RelationEdge:
+    """Edge `subject_node` `relation` `object_node` with its one relation atom, whose parents are
+    the two object atoms."""
+    verb = "Is" if subject_node.count == 1 else "Are"
+    question = (f"{verb} the {node_description(subject_node)} {relation} "
+                f"the {node_description(object_node)}?")
+    ends = (subject_node.id, object_node.id)
+    atom = Atom(edge_id, "relation", question, "yes", ends, *ends, relation)
+    return RelationEdge(edge_id, subject_node.id, relation, object_node.id, (atom,))
+
+
+def node_description(node: ObjectNode) -> str:
+    """The node after "the" in a relation question: "red circle", "two red circles"."""
+    words = [NUMBER_NAMES[node.count] if node.count > 1 else None, node.color,
+             node.noun if node.count == 1 else pluralize(node.noun)]
+    return " ".join(w for w in words if w)

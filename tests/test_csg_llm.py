@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 
 from cast_core.csg import validate_graph
-from cast_core.csg_llm import (
-    DEFAULT_TEMPLATE,
-    AnswerError,
-    CsgBuildError,
-    LlmCsgBuilder,
-    parse_answer,
-    parse_spec,
-)
+from cast_core.csg_llm import DEFAULT_TEMPLATE, CsgBuildError, LlmCsgBuilder
 from cast_core.csg_llm_clients import ChatEndpointClient, LlmClientError, LocalCausalLMClient
+from cast_core.csg_llm_schema import AnswerError, parse_answer, parse_spec
 from cast_core.csg_parser import graph_from_geneval, parse_prompt
 from tasks.csg_cache import CsgCache, CsgCacheWarning
 
