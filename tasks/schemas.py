@@ -137,6 +137,14 @@ _SPECS = (
            ("split", STR), ("group_kind", STR), ("group_name", STR), ("images", I32),
            ("strict_accuracy", F64), ("atom_accuracy", F64), ("mean_score", F64),
            ("diversity", F64, _NULL), ("hf_energy", F64)),
+    _table("recast_gains", 1,
+           "ReCAST per (reward, schedule step) for one policy: Renyi divergence of positives vs "
+           "policy samples, step gain, mean-normalised gain, Sinkhorn weight W (rows = budget, "
+           "columns = sum of budgets / steps); plot_path: the iteration's heatmap PNG.",
+           ("run_id", STR), ("iteration", I32), ("policy_hash", STR), ("reward", STR),
+           ("step", I32), ("sigma", F64), ("divergence", F64), ("gain", F64),
+           ("normalised_gain", F64), ("weight", F64), ("n_positive", I32), ("n_policy", I32),
+           ("budget", F64), ("alpha", F64), ("tau", F64), ("plot_path", STR)),
 )
 
 TABLES: Mapping[str, TableSpec] = {s.name: s for s in _SPECS}

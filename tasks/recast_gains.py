@@ -1,0 +1,182 @@
+"""Stage `recast_gains`: ReCAST's per-reward, per-step gains and Sinkhorn weights for one policy.
+
+Rewards are the atom types (object, count, attribute, relation; `RecastConfig.budgets` chooses a
+subset and its budgets lambda_k, None = all four at 1/4). P prompts (evenly spaced through
+`prompts.train`) x M samples: positives are exact scenes the shapes renderer draws for each
+record (`render.sample_scene`, encoded with `backbone.encode_images`), the policy samples its own
+ODE; both at the recipe's steps and CFG, scored by the recipe's scorer through
+`cast_core.recast_gains` (see there for the math). Scene and noise seeds derive from (run seed,
+prompt id, sample index) only, so every iteration sees the same positives and noise and the gains
+move with the policy alone. Writes `recast_gains` (one row per reward and schedule step) and a
+PNG heatmap blob whose path every row carries.
+
+Shapes family only: positives come from the renderer (the real families have no positive-sample
+source yet, nor an `encode_images`). The policy is the base model (`policy_lora` None) or a LoRA
+blob of the store (e.g. `policy_for(store, recipe, k).lora_path`). Cached on the base weights'
+hash, the policy hash (the LoRA blob's sha256, or 'base-<hash>'), the sampling and scorer
+sections, the prompt file's hash, asdict(config), the iteration and the code version.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from cast_core.csg_parser import graph_from_geneval
+from cast_core.recast_gains import (
+    ATOM_TYPES,
+    RecastGains,
+    atom_type_statistics,
+    plot_recast_gains,
+    policy_statistics,
+    positive_statistics,
+)
+from cast_core.recast_gains import (
+    recast_gains as estimate_gains,
+)
+from cast_core.shapes.render import render, sample_scene
+from tasks.models import base_hash, load_base, load_policy, scorer, scorer_id, set_threads
+from tasks.prompt_sets import load_prompts
+from tasks.recipe import Recipe
+from tasks.schemas import prompt_id
+from tasks.stage import StageRef, derive_seed, file_hash, make_key, run_stage, stage_task
+from tasks.store import Store
+
+STAGE = "recast_gains"
+
+
+@dataclass(frozen=True)
+class RecastConfig:
+    """prompts P and samples_per_prompt M (P M samples on each side); alpha: Renyi order in
+    (0, 1); tau: kernel temperature; budgets: atom type -> lambda_k > 0 (None: the four types
+    at 1/4); variance_floor: floor of the fitted variances."""
+
+    prompts: int = 16
+    samples_per_prompt: int = 2
+    alpha: float = 0.5
+    tau: float = 1.0
+    budgets: dict[str, float] | None = None
+    variance_floor: float = 1e-4
+
+    def __post_init__(self) -> None:
+        p, m = self.prompts, self.samples_per_prompt
+        if p < 1 or m < 1 or p * m < 2:
+            raise ValueError(f"need prompts >= 1, samples_per_prompt >= 1 and at least 2 samples "
+                             f"to fit a variance; got {p} x {m}")
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"alpha must lie in (0, 1) so the divergence stays finite; got "
+                             f"{self.alpha} (0.5 is the Bhattacharyya case)")
+        if not (self.tau > 0 and self.variance_floor > 0):
+            raise ValueError(f"tau and variance_floor must be > 0; got {self.tau}, "
+                             f"{self.variance_floor}")
+        budgets = self.budgets if self.budgets is not None else {}
+        unknown = sorted(set(budgets) - set(ATOM_TYPES))
+        bad = {k: v for k, v in budgets.items() if not (math.isfinite(v) and v > 0)}
+        if (self.budgets is not None and not budgets) or unknown or bad:
+            raise ValueError(f"budgets must map atom types {ATOM_TYPES} to finite values > 0 "
+                             f"(leave a reward out to drop it); unknown {unknown}, bad {bad}")
+
+    def budget_map(self) -> dict[str, float]:
+        if self.budgets is None:
+            return {k: 1.0 / len(ATOM_TYPES) for k in ATOM_TYPES}
+        return {k: float(self.budgets[k]) for k in ATOM_TYPES if k in self.budgets}
+
+
+def _policy_hash(store: Store, recipe: Recipe, policy_lora: str | None) -> str:
+    if policy_lora is None:
+        return f"base-{base_hash(recipe)[:16]}"
+    return file_hash(store.resolve(policy_lora))
+
+
+def cache_key(store: Store, recipe: Recipe, iteration: int, config: RecastConfig = RecastConfig(),
+              policy_lora: str | None = None) -> str:
+    return make_key(STAGE, {"sections": recipe.section_hash("sampling", "scorer"),
+                            "seed": recipe.run.seed, "iteration": iteration,
+                            "recast": asdict(config)},
+                    {"base": base_hash(recipe), "policy": _policy_hash(store, recipe, policy_lora),
+                     "prompts": file_hash(recipe.prompts.train), "scorer": scorer_id(recipe)})
+
+
+def positive_images(records: list[dict], seeds: list[int]) -> torch.Tensor:
+    """One exact render per (record, seed): images [N, 3, H, W] in [0, 1]."""
+    images = [render(sample_scene(r, np.random.default_rng(s))).image
+              for r, s in zip(records, seeds, strict=True)]
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255.0
+
+
+def _rows(result: RecastGains, run_id: str, iteration: int, policy_hash: str,
+          plot_path: str) -> list[dict]:
+    return [{"run_id": run_id, "iteration": iteration, "policy_hash": policy_hash, "reward": name,
+             "step": t, "sigma": float(result.sigmas[t]),
+             "divergence": float(result.divergence[k, t]), "gain": float(result.gains[k, t]),
+             "normalised_gain": float(result.normalised[k, t]), "weight": float(result.W[k, t]),
+             "n_positive": int(result.n_positive[k]), "n_policy": int(result.n_policy[k]),
+             "budget": float(result.budgets[k]), "alpha": result.alpha, "tau": result.tau,
+             "plot_path": plot_path}
+            for k, name in enumerate(result.rewards) for t in range(result.sigmas.shape[0])]
+
+
+def recast_gains(store: Store, recipe: Recipe, iteration: int,
+                 config: RecastConfig = RecastConfig(), policy_lora: str | None = None) -> StageRef:
+    run_id, s = recipe.run.name, recipe.sampling
+    if recipe.backbone.family != "shapes":
+        raise ValueError(f"recast_gains needs positive samples; only the shapes renderer gives "
+                         f"them, and backbone.family is {recipe.backbone.family!r}")
+
+    def body():
+        set_threads(recipe)
+        records = load_prompts(recipe, recipe.prompts.train)
+        picks = [records[i * len(records) // config.prompts]
+                 for i in range(min(config.prompts, len(records)))]
+        samples = [(r, j) for r in picks for j in range(config.samples_per_prompt)]
+        prompts = [r["prompt"] for r, _ in samples]
+        graphs = [graph_from_geneval(r) for r, _ in samples]
+        seeds = [derive_seed(recipe.run.seed, "recast-noise", prompt_id(r["prompt"]), j)
+                 for r, j in samples]
+        scenes = [derive_seed(recipe.run.seed, "recast-scene", prompt_id(r["prompt"]), j)
+                  for r, j in samples]
+        backbone = (load_base(recipe) if policy_lora is None
+                    else load_policy(recipe, store.get_tensors(policy_lora))[0])
+        statistics = atom_type_statistics(scorer(recipe)[1], tuple(config.budget_map()))
+        x0 = backbone.encode_images(positive_images([r for r, _ in samples], scenes))
+        args = (s.num_steps, s.guidance_scale, statistics, s.chunk_size)
+        positive = positive_statistics(backbone, x0, prompts, graphs, seeds, *args)
+        policy = policy_statistics(backbone, prompts, graphs, seeds, *args)
+        result = estimate_gains(positive, policy, config.budget_map(), config.alpha, config.tau,
+                                config.variance_floor)
+        policy_hash = _policy_hash(store, recipe, policy_lora)
+        plot = store.put_blob(plot_recast_gains(
+            result, f"{run_id} iteration {iteration}: ReCAST gains ({policy_hash[:12]})"), "png")
+        rows = _rows(result, run_id, iteration, policy_hash, plot.path)
+        part = f"{run_id}-{iteration:05d}-{policy_hash[:16]}"
+        return [plot, store.write_table("recast_gains", rows, part)]
+
+    key = cache_key(store, recipe, iteration, config, policy_lora)
+    return run_stage(store, run_id, iteration, STAGE, key, body)
+
+
+def read_recast_gains(store: Store, ref: StageRef) -> RecastGains:
+    """The RecastGains a recast_gains call wrote (for `restrict_to_window` in the trainer)."""
+    rows = pq.read_table(store.resolve(ref.path_with("/recast_gains/"))).to_pylist()
+    rewards = tuple(dict.fromkeys(r["reward"] for r in rows))
+    steps = sorted({r["step"] for r in rows})
+    cell = {(r["reward"], r["step"]): r for r in rows}
+
+    def grid(column: str) -> torch.Tensor:
+        return torch.tensor([[cell[k, t][column] for t in steps] for k in rewards],
+                            dtype=torch.float64)  # [R, S]
+
+    first = [cell[k, steps[0]] for k in rewards]
+    return RecastGains(rewards, grid("sigma")[0], grid("divergence"), grid("gain"),
+                       grid("normalised_gain"), grid("weight"),
+                       torch.tensor([r["n_positive"] for r in first]),
+                       torch.tensor([r["n_policy"] for r in first]),
+                       torch.tensor([r["budget"] for r in first], dtype=torch.float64),
+                       first[0]["alpha"], first[0]["tau"])
+
+
+recast_gains_task = stage_task(recast_gains, STAGE, cache_key)
