@@ -2,8 +2,8 @@
 
 mode "calibrated": P prompts (evenly spaced through `window.calibration_file`, default the train
 set), one content-derived seed each, run the base model's ODE sampler at the recipe's steps and CFG;
-curves of cos(e(x0_hat_k), e(x_final)) with the world's image embedder (`shapes-layout-v1` for the
-shapes world; CLIP arrives with the real backbones) -> `cast_core.calibration.calibrate_window`.
+curves of cos(e(x0_hat_k), e(x_final)) with the recipe's image embedder (`shapes-layout-v1` for the
+shapes world, CLIP for the real backbones; `image_embedder`) -> `cast_core.calibration.calibrate_window`.
 Writes `calibration_curves` (mean/std per step), `windows` (one row) and a PNG plot blob.
 mode "fixed": writes only the `windows` row (method "fixed", formation_step = window_end - 1).
 
@@ -32,8 +32,9 @@ def _embedder_kind(recipe: Recipe) -> str:
     return recipe.window.embedder or ("layout" if recipe.backbone.family == "shapes" else "clip")
 
 
-def _embedder(recipe: Recipe):
-    """The calibration's image embedder: the shapes layout embedder or CLIP ViT-L/14."""
+def image_embedder(recipe: Recipe):
+    """The calibration's image embedder: the shapes layout embedder or CLIP (ViT-L/14 unless
+    `window.embedder_path` names another), on the backbone's device."""
     if _embedder_kind(recipe) == "layout":
         from cast_core.shapes.embedder import LayoutEmbedder
 
@@ -44,10 +45,10 @@ def _embedder(recipe: Recipe):
                                         device=recipe.backbone.device)
 
 
-def _embedder_spec(recipe: Recipe) -> str:
+def image_embedder_spec(recipe: Recipe) -> str:
     """The embedder's spec for the cache key, without loading a CLIP model."""
     if _embedder_kind(recipe) == "layout":
-        return _embedder(recipe).spec
+        return image_embedder(recipe).spec
     from cast_core.clip_embedder import DEFAULT_MODEL, ClipEmbedder
 
     return ClipEmbedder.spec_for(recipe.window.embedder_path or DEFAULT_MODEL)
@@ -61,7 +62,7 @@ def cache_key(store: Store, recipe: Recipe) -> str:
     inputs = {"base": base_hash(recipe)}
     if recipe.window.mode == "calibrated":
         inputs |= {"prompts": file_hash(_calibration_file(recipe)),
-                   "embedder": _embedder_spec(recipe)}
+                   "embedder": image_embedder_spec(recipe)}
     return make_key(STAGE, {"sampling": recipe.section_hash("sampling", "window"),
                             "seed": recipe.run.seed}, inputs)
 
@@ -85,7 +86,7 @@ def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
                  for i in range(min(w.calibration_prompts, len(records)))]
         prompts = [r["prompt"] for r in picks]
         seeds = [derive_seed(recipe.run.seed, "calibrate", prompt_id(p)) for p in prompts]
-        embedder = _embedder(recipe)
+        embedder = image_embedder(recipe)
         curves = similarity_curves(load_base(recipe), embedder, prompts, seeds, s.num_steps,
                                    s.guidance_scale, chunk_size=s.chunk_size)
         result = calibrate(curves.curves, s.num_steps, w.size, method=w.method,

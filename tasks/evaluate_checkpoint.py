@@ -2,15 +2,19 @@
 the whole split ("overall"), each tag, each atom type and each atom count (the number of atoms of
 the prompt), an image grid per split and a bar plot (PNG blobs).
 
-Images: `eval.images_per_prompt` per prompt, ODE sampling at the eval section's steps and CFG,
-seeds from the prompt text and image index (`tasks.evaluate.content_seed`), so every checkpoint
-is judged on the same starting noise. Strict accuracy: every atom of the image scores > 0.5.
-Diversity: mean over prompts of the mean pairwise (1 - cosine) between the layout embeddings of the
-prompt's images (how much a checkpoint's samples for one prompt differ; a collapse shows as a drop),
-on the overall row only. hf_energy: the group's mean high-frequency energy of the images
-(`cast_core.diagnostics.high_frequency_energy`; noise or stripes that hack the reward raise it).
-Iteration -1 is the base model. Cached on the checkpoint's hash and the eval spec's hash.
-"""
+Prompts: each split's file read for the recipe's family (`tasks.prompt_sets.load_prompts`), first
+`eval.max_prompts`; graphs from the recipe's CSG builder (built once). Images:
+`eval.images_per_prompt` per prompt, ODE sampling at the eval section's steps and CFG in chunks of
+`sampling.chunk_size` images, decoded per chunk and kept on the CPU as float32 in [0, 1] (what the
+scorer protocol takes); seeds from the prompt text and image index (`tasks.evaluate.content_seed`),
+so every checkpoint is judged on the same starting noise. Strict accuracy: every atom of the image
+scores > 0.5. Diversity: mean over prompts of the mean pairwise (1 - cosine) between the unit
+embeddings of the prompt's images (how much a checkpoint's samples for one prompt differ; a
+collapse shows as a drop), on the overall row only, None with one image per prompt. The embedder
+is the shapes layout embedder for the shapes world, else the window calibration's image embedder
+(CLIP), whose spec then joins the eval spec. hf_energy: the group's mean high-frequency energy of
+the images (`cast_core.diagnostics.high_frequency_energy`; noise or stripes that hack the reward
+raise it). Iteration -1 is the base model. Cached on the checkpoint's hash and the eval spec's hash."""
 
 from __future__ import annotations
 
@@ -22,27 +26,51 @@ from prefect import task
 from cast_core.diagnostics import high_frequency_energy
 from cast_core.metrics import ImageResult, image_groups, summarise, summarise_by_atom_type
 from cast_core.sampling import sample_ode
-from cast_core.shapes.prompts import load_prompt_file
+from tasks.calibrate_window import image_embedder, image_embedder_spec
 from tasks.evaluate import content_seed
-from tasks.models import build_graph, load_policy, scorer, set_threads
+from tasks.models import graph_builder, load_policy, scorer, scorer_id, set_threads
 from tasks.policy_state import policy_for
+from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.rollout_groups import contact_sheet
+from tasks.score_atoms import score_in_chunks
 from tasks.stage import StageRef, file_hash, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "evaluate"
 
 
-def _diversity(images: torch.Tensor, per_prompt: int) -> float | None:
-    from cast_core.shapes.embedder import LayoutEmbedder
-
-    if per_prompt < 2:
+def _diversity_embedder(recipe: Recipe):
+    """The diversity metric's image embedder (module docstring); None with one image per prompt."""
+    if recipe.eval.images_per_prompt < 2:
         return None
-    e = LayoutEmbedder().embed(images).view(-1, per_prompt, LayoutEmbedder().dim)  # [P, I, D]
+    if recipe.backbone.family == "shapes":
+        from cast_core.shapes.embedder import LayoutEmbedder
+
+        return LayoutEmbedder()
+    return image_embedder(recipe)
+
+
+def _diversity(embedder, images: torch.Tensor, per_prompt: int) -> float | None:
+    """Mean pairwise (1 - cos) within each prompt's images [P * I, 3, H, W] (I = per_prompt)."""
+    if embedder is None:
+        return None
+    e = embedder.embed(images).view(-1, per_prompt, embedder.dim)  # [P, I, D]
     cos = e @ e.transpose(1, 2)  # [P, I, I]
     off = ~torch.eye(per_prompt, dtype=torch.bool)
     return float((1 - cos[:, off]).mean())
+
+
+def _sample_images(backbone, prompts: list[str], seeds: list[int], recipe: Recipe) -> torch.Tensor:
+    """ODE samples, decoded chunk by chunk -> images [N, 3, H, W] float32 in [0, 1] on the CPU."""
+    ev, size = recipe.eval, recipe.sampling.chunk_size
+    images = []
+    with torch.no_grad():
+        for lo in range(0, len(prompts), size):
+            x0 = sample_ode(backbone, prompts[lo:lo + size], seeds[lo:lo + size], ev.num_steps,
+                            ev.guidance_scale, chunk_size=size)
+            images.append(backbone.decode(x0).float().cpu())
+    return torch.cat(images)
 
 
 def _plot(rows: list[dict], title: str) -> bytes:
@@ -87,9 +115,19 @@ def _group_rows(base: dict, results: list[ImageResult], hf: torch.Tensor,
 
 
 def eval_spec_hash(recipe: Recipe) -> str:
-    files = {name: file_hash(path) for name, path in sorted(recipe.eval.splits.items())}
-    return make_key("eval_spec", {"eval": recipe.section_hash("eval", "scorer", "builder")},
-                    files)
+    """The eval section, builder, scorer, split files' hashes and (real families) the diversity
+    embedder. A model scorer enters by its id (model identity; a remote one's as its service
+    reports it), not by its recipe fields: a service moved to another URL is the same scorer, and
+    another model behind the same URL is not."""
+    inputs = {name: file_hash(path) for name, path in sorted(recipe.eval.splits.items())}
+    if recipe.scorer.kind == "shapes-verifier":
+        config = {"eval": recipe.section_hash("eval", "scorer", "builder")}
+    else:
+        config = {"eval": recipe.section_hash("eval", "builder"), "scorer": scorer_id(recipe)}
+    if recipe.backbone.family != "shapes" and recipe.eval.images_per_prompt >= 2:
+        # the shapes layout embedder is fixed code (in the code version); CLIP is a checkpoint
+        inputs["diversity_embedder"] = image_embedder_spec(recipe)
+    return make_key("eval_spec", config, inputs)
 
 
 def cache_key(store: Store, recipe: Recipe, iteration: int) -> str:
@@ -108,24 +146,25 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
         lora = store.get_tensors(policy.lora_path) if policy.lora_path else None
         backbone, _ = load_policy(recipe, lora)
         _, score = scorer(recipe)
-        rows, refs = [], []
+        build, embedder = graph_builder(recipe), _diversity_embedder(recipe)
+        spec, rows, refs = eval_spec_hash(recipe), [], []
         for split, path in sorted(ev.splits.items()):
-            records = load_prompt_file(path)[:ev.max_prompts]
-            graphs = [build_graph(recipe, r) for r in records]
+            records = load_prompts(recipe, path)[:ev.max_prompts]
+            graphs = [build(r) for r in records]
             prompts = [r["prompt"] for r in records for _ in range(ev.images_per_prompt)]
             seeds = [content_seed(r["prompt"], k) for r in records
                      for k in range(ev.images_per_prompt)]
-            with torch.no_grad():
-                x0 = sample_ode(backbone, prompts, seeds, ev.num_steps, ev.guidance_scale)
-            images = backbone.decode(x0)
+            images = _sample_images(backbone, prompts, seeds, recipe)  # [N, 3, H, W] CPU
             flat = [g for g in graphs for _ in range(ev.images_per_prompt)]
+            scored = score_in_chunks(score, images, flat, recipe.sampling.chunk_size)
             results = [ImageResult(g.tag or "untagged", s, tuple(a.type for a in g.atoms()))
-                       for g, (s, _) in zip(flat, score(images, flat))]
+                       for g, (s, _) in zip(flat, scored)]
             base = {"run_id": run_id, "iteration": iteration,
-                    "checkpoint_hash": policy.policy_hash, "eval_spec_hash": eval_spec_hash(recipe),
+                    "checkpoint_hash": policy.policy_hash, "eval_spec_hash": spec,
                     "split": split}
             hf = high_frequency_energy(images)  # [N]
-            rows += _group_rows(base, results, hf, _diversity(images, ev.images_per_prompt))
+            rows += _group_rows(base, results, hf,
+                                _diversity(embedder, images, ev.images_per_prompt))
             grid = (images[:64] * 255).round().to(torch.uint8)
             refs.append(store.put_blob(contact_sheet(grid, ev.images_per_prompt), "png"))
         refs.append(store.put_blob(_plot(rows, f"{run_id}: iteration {iteration}"), "png"))

@@ -217,7 +217,12 @@ def scorer_id(recipe: Recipe) -> str:
         return f"shapes-verifier-v1({VerifierConfig()})"
     if s.kind == "soft-tifa":
         return f"soft-tifa-v1({model_identity(s.path)}, {_soft_tifa_config(recipe)})"
-    return scorer(recipe)[0]
+    if s.kind == "remote":
+        from cast_core.scorers.remote import RemoteScorer
+
+        with RemoteScorer(s.url, timeout_s=s.timeout_s, retries=s.retries) as remote:
+            return remote.scorer_id
+    raise ValueError(f"scorer.kind {s.kind!r} has no implementation")
 
 
 def _soft_tifa_config(recipe: Recipe):

@@ -79,6 +79,14 @@ def contact_sheet(images: torch.Tensor, columns: int) -> bytes:
     return buffer.getvalue()
 
 
+@torch.no_grad()
+def _decode_uint8(backbone, x0: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Latents [N, C, h, w] -> uint8 images [N, 3, H, W] on the CPU, decoded `chunk_size` at a
+    time (a VAE decode at full resolution is the memory peak of a rollout)."""
+    return torch.cat([(backbone.decode(x) * 255).round().to(torch.uint8).cpu()
+                      for x in x0.split(chunk_size)])
+
+
 def cache_key(store: Store, recipe: Recipe, csgs: StageRef, window: StageRef,
               iteration: int) -> str:
     policy = policy_for(store, recipe, iteration)
@@ -104,7 +112,7 @@ def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRe
         seeds = [derive_seed(recipe.run.seed, iteration, p["prompt_id"], j)
                  for p in picks for j in range(g)]
         result = rollout(backbone, prompts, seeds, spec, chunk_size=recipe.sampling.chunk_size)
-        images = (backbone.decode(result.x0) * 255).round().to(torch.uint8).cpu()  # [N, 3, H, W]
+        images = _decode_uint8(backbone, result.x0, recipe.sampling.chunk_size)  # [N, 3, H, W]
         steps = store.put_tensors({"x0": result.x0, "latents": result.latents,
                                    "next_latents": result.next_latents,
                                    "log_probs": result.log_probs, "t": result.t,

@@ -1,6 +1,7 @@
 """Stage `score_atoms`: every atom of every rollout image -> a soft score in [0, 1] and a grounding
 heatmap at the scorer's native grid (`atom_scores`, one row per (sample, atom), the heatmap as a
-row-major float list with its H and W).
+row-major float list with its H and W). The scorer sees the stored uint8 images as float32 in
+[0, 1] on the CPU, `sampling.chunk_size` images per call.
 
 The CSG of each sample comes from this run's `csgs` rows; images from the rollout's images blob.
 Cached on the rollout's content hash (which covers every image hash), the CSGs and the scorer id.
@@ -8,10 +9,12 @@ Cached on the rollout's content hash (which covers every image hash), the CSGs a
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow.parquet as pq
+import torch
 
 from cast_core.csg import SceneGraph
-from tasks.models import scorer, scorer_id, set_threads
+from tasks.models import Scorer, scorer, scorer_id, set_threads
 from tasks.recipe import Recipe
 from tasks.stage import StageRef, make_key, run_stage, stage_task
 from tasks.store import Store
@@ -22,6 +25,17 @@ STAGE = "score_atoms"
 def load_rollout_rows(store: Store, rollouts: StageRef) -> list[dict]:
     rows = pq.read_table(store.resolve(rollouts.path_with("/rollouts/"))).to_pylist()
     return sorted(rows, key=lambda r: r["blob_index"])
+
+
+def score_in_chunks(score: Scorer, images: torch.Tensor, graphs: list[SceneGraph],
+                    chunk_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`score` over chunks of `chunk_size` images (bounded memory for a local model, bounded
+    request bodies for a remote one); images [N, 3, H, W] in [0, 1] on the CPU; results in
+    image order."""
+    out = []
+    for lo in range(0, len(images), chunk_size):
+        out += list(score(images[lo:lo + chunk_size], graphs[lo:lo + chunk_size]))
+    return out
 
 
 def load_graphs(store: Store, csgs: StageRef) -> dict[str, str]:
@@ -49,7 +63,8 @@ def score_atoms(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         images = store.get_tensors(rows[0]["image_path"])["images"]  # uint8 [N, 3, H, W]
         images = images[[r["blob_index"] for r in rows]].float() / 255.0
         out = []
-        for row, graph, (scores, heatmaps) in zip(rows, graphs, score(images, graphs)):
+        results = score_in_chunks(score, images, graphs, recipe.sampling.chunk_size)
+        for row, graph, (scores, heatmaps) in zip(rows, graphs, results):
             for atom, s, heat in zip(graph.atoms(), scores, heatmaps):
                 out.append({"run_id": run_id, "iteration": iteration,
                             "prompt_id": row["prompt_id"], "sample_index": row["sample_index"],

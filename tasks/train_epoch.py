@@ -37,7 +37,7 @@ from cast_core.diagnostics import (
     param_change_norm,
 )
 from cast_core.policy import PolicyConfig, UpdateStep, policy_update
-from cast_core.rollout import Rollout, RolloutSpec
+from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
 from tasks.models import (
     base_hash,
@@ -134,8 +134,11 @@ def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef
                      "advantages": advantages.content_hash})
 
 
-def _load_rollout(store: Store, rows: list[dict]) -> tuple[Rollout, RolloutSpec, list[int]]:
-    blob = store.get_tensors(rows[0]["latents_path"])
+def _load_rollout(store: Store, rows: list[dict],
+                  device: torch.device) -> tuple[Rollout, SdeWindow, list[int]]:
+    """The rows' window steps on the transformer's `device` (where the replay's velocities are),
+    their window and their blob indices."""
+    blob = {k: v.to(device) for k, v in store.get_tensors(rows[0]["latents_path"]).items()}
     index = [r["blob_index"] for r in rows]
     rollout = Rollout(x0=blob["x0"][index], latents=blob["latents"][index],
                       next_latents=blob["next_latents"][index],
@@ -155,7 +158,8 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         optimizer = _optimizer(store, recipe, params, policy.optimizer_path)
         steps_before = int(optimizer.state[params[0]]["step"]) if optimizer.state else 0
         rows = load_rollout_rows(store, rollouts)
-        rollout, window, index = _load_rollout(store, rows)
+        device = next(backbone.transformer.parameters()).device
+        rollout, window, index = _load_rollout(store, rows, device)
         spec = rollout_spec(recipe, {"window_start": window.start, "window_end": window.end})
         texts = {pid: json.loads(g)["prompt"] for pid, g in load_graphs(store, csgs).items()}
         prompts = [texts[r["prompt_id"]] for r in rows]

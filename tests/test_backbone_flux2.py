@@ -5,7 +5,7 @@ or `Flux2KleinPipeline` (Qwen3 text encoder, true CFG) built from config, saved 
 `save_pretrained` and loaded back by both the pipeline and `Flux2Backbone.from_pretrained`.
 The tokenizer is a plain fast BPE tokenizer with a chat template (the real dev processor,
 `PixtralProcessor`, needs torchvision). The VAE's batch-norm statistics are randomised so the
-latent de-normalisation is exercised.
+latent de-normalisation is exercised. The builder lives in `tiny_models.save_flux2_pipeline`.
 """
 
 import json
@@ -13,22 +13,8 @@ import shutil
 
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKLFlux2,
-    FlowMatchEulerDiscreteScheduler,
-    Flux2KleinPipeline,
-    Flux2Pipeline,
-    Flux2Transformer2DModel,
-)
-from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    Mistral3Config,
-    Mistral3ForConditionalGeneration,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from diffusers import Flux2KleinPipeline, Flux2Pipeline
+from tiny_models import FLUX2_LAYERS, save_flux2_pipeline
 
 from cast_core.backbones.base import Backbone
 from cast_core.backbones.flux2 import Flux2Backbone, flux2_sigmas
@@ -40,79 +26,16 @@ from cast_core.window import SdeWindow
 
 PROMPTS = ["a photo of a red cat", "two blue dogs left of a tree"]
 SEEDS = [11, 12]
-LAYERS = (1, 2, 3)  # three tiny text layers of width 16 -> joint_attention_dim 48
+LAYERS = FLUX2_LAYERS  # three tiny text layers of width 16 -> joint_attention_dim 48
 TEXT_LEN = 48
 SIZE = 32  # VAE factor 2 × 2×2 patches -> an 8×8 token grid of 16 channels
-SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
-            "[/SYSTEM_PROMPT]", "<|im_start|>", "<|im_end|>"]
-MISTRAL_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]"
-    "{{ m['content'][0]['text'] }}[/SYSTEM_PROMPT]{% else %}[INST]{{ m['content'][0]['text'] }}"
-    "[/INST]{% endif %}{% endfor %}")
-QWEN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-    "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-
-
-def _tokenizer(template: str) -> PreTrainedTokenizerFast:
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    corpus = [SYSTEM_MESSAGE, *PROMPTS, "user assistant think", "Yes", "No"]
-    core.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=500, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")
-    tok.chat_template = template
-    return tok
-
-
-def _text_encoder(variant: str, tok) -> torch.nn.Module:
-    text = {"vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32,
-            "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 8, "max_position_embeddings": 64, "pad_token_id": tok.pad_token_id}
-    if variant == "klein":
-        return Qwen3ForCausalLM(Qwen3Config(**text))
-    return Mistral3ForConditionalGeneration(Mistral3Config(
-        text_config={"model_type": "mistral", "sliding_window": None,
-                     "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **text},
-        vision_config={"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "intermediate_size": 32, "image_size": 16,
-                       "patch_size": 8, "num_channels": 3},
-        image_token_index=0, spatial_merge_size=1, vision_feature_layer=-1))
-
-
-def _save_pipeline(folder, variant: str, num_single_layers: int = 2) -> None:
-    torch.manual_seed(0)
-    tok = _tokenizer(MISTRAL_TEMPLATE if variant == "dev" else QWEN_TEMPLATE)
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=num_single_layers,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16 * len(LAYERS),
-        timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
-        guidance_embeds=variant == "dev")
-    vae = AutoencoderKLFlux2(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
-        latent_channels=4, norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False,
-        mid_block_add_attention=False)
-    with torch.no_grad():
-        vae.bn.running_mean.normal_()
-        vae.bn.running_var.uniform_(0.5, 2.0)
-    # the real FLUX.2 scheduler config: resolution-dependent exponential shift through mu
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0,
-                                                time_shift_type="exponential")
-    parts = {"scheduler": scheduler, "vae": vae, "text_encoder": _text_encoder(variant, tok),
-             "tokenizer": tok, "transformer": transformer}
-    pipe = Flux2Pipeline(**parts) if variant == "dev" else Flux2KleinPipeline(**parts)
-    pipe.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("flux2")
     for variant in ("dev", "klein"):
-        _save_pipeline(root / variant, variant)
+        save_flux2_pipeline(root / variant, variant, PROMPTS)
     return root
 
 

@@ -4,22 +4,17 @@ The tiny pipeline (real classes: Qwen2.5-VL text encoder, QwenImageTransformer2D
 AutoencoderKLQwenImage, the Qwen-Image scheduler config with its dynamic shift) is built from
 config, saved as a pipeline folder and loaded back both by the pipeline and by the backbone. The
 tiny tokenizer's template prefix is not the real one's 34 tokens, so both are told its length.
+The builder lives in `tiny_models.save_qwen_image_pipeline`.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-)
+from diffusers import QwenImagePipeline
 from peft import get_peft_model_state_dict
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from tiny_models import save_qwen_image_pipeline
+from transformers import Qwen2Tokenizer
 
 from cast_core.backbones.base import Backbone
 from cast_core.backbones.qwen_image import QwenImageBackbone
@@ -36,55 +31,12 @@ from cast_core.window import SdeWindow
 H, W = 64, 96  # VAE factor 4, 2x2 patches: an 8 x 12 token grid
 PROMPTS = ["a red cube left of a sleeping cat", "two dogs"]
 SEEDS = [3, 11]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen-Image's scheduler config: exponential dynamic shift and a terminal sigma
-SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192,
-             "max_shift": 0.9, "shift": 1.0, "shift_terminal": 0.02,
-             "time_shift_type": "exponential", "use_dynamic_shifting": True}
-
-
-def _tokenizer() -> Qwen2Tokenizer:
-    corpus = [PROMPT_TEMPLATE.format(p) for p in PROMPTS] + ["a blue sphere above a dog"]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=330, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    model = json.loads(core.to_str())["model"]
-    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
-    tok.add_special_tokens({"additional_special_tokens": SPECIALS[1:]})
-    return tok
-
-
-def _pipeline_components() -> dict:
-    tok = _tokenizer()
-    v = len(tok)
-    torch.manual_seed(0)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": v + 3,
-                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
-                                      "type": "default"},
-                     "rope_theta": 1e6, "bos_token_id": None, "eos_token_id": 0},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": 16},
-        hidden_size=16, vocab_size=v + 3, vision_start_token_id=v, vision_end_token_id=v + 1,
-        vision_token_id=v + 2, image_token_id=v + 2, video_token_id=v + 2)).eval()
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=3, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
-    vae = AutoencoderKLQwenImage(
-        base_dim=8, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 1.0, 2.0])
-    return {"scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER), "vae": vae,
-            "text_encoder": text_encoder, "tokenizer": tok, "transformer": transformer}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("qwen") / "pipeline"
-    QwenImagePipeline(**_pipeline_components()).save_pretrained(path)
-    return path
+    return save_qwen_image_pipeline(path, PROMPTS)
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from transformers import (
-    CLIPConfig,
-    CLIPImageProcessorPil,
-    CLIPModel,
-    CLIPVisionConfig,
-    CLIPVisionModel,
-)
+from tiny_models import CLIP_CROP, CLIP_PROCESSOR, CLIP_SIZE, save_clip, tiny_clip
+from transformers import CLIPImageProcessorPil, CLIPModel, CLIPVisionConfig, CLIPVisionModel
 from transformers.image_transforms import get_resize_output_image_size
 
 from cast_core.calibration import similarity_curves
 from cast_core.clip_embedder import ClipEmbedder, ClipPreprocess, resolve_checkpoint
 from cast_core.shapes.embedder import cosine_similarity
 
-SIZE, CROP = 40, 32  # shortest edge after resize, then the center crop the vision tower takes
-PROCESSOR = {"size": {"shortest_edge": SIZE}, "crop_size": {"height": CROP, "width": CROP}}
+SIZE, CROP = CLIP_SIZE, CLIP_CROP  # shortest edge after resize, then the center crop
+PROCESSOR = CLIP_PROCESSOR
 OPENAI_STYLE = {  # openai/clip-vit-large-patch14's preprocessor_config.json: sizes as ints
     "crop_size": 224, "do_center_crop": True, "do_normalize": True, "do_resize": True,
     "feature_extractor_type": "CLIPFeatureExtractor", "resample": 3, "size": 224,
@@ -31,31 +26,12 @@ OPENAI_STYLE = {  # openai/clip-vit-large-patch14's preprocessor_config.json: si
 }
 
 
-def _tiny_clip(seed: int, projection_dim: int = 16) -> CLIPModel:
-    config = CLIPConfig(
-        text_config={"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 1,
-                     "num_attention_heads": 2, "intermediate_size": 37,
-                     "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1,
-                     "pad_token_id": 1},
-        vision_config={"image_size": CROP, "patch_size": 8, "hidden_size": 32,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 37},
-        projection_dim=projection_dim,
-    )
-    torch.manual_seed(seed)
-    return CLIPModel(config).eval()
-
-
-def _save(folder, model) -> None:
-    model.save_pretrained(folder)
-    CLIPImageProcessorPil(**PROCESSOR).save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(folder, the CLIPModel saved there)."""
     folder = tmp_path_factory.mktemp("clip") / "a"
-    model = _tiny_clip(seed=0)
-    _save(folder, model)
+    model = tiny_clip(seed=0)
+    save_clip(folder, model)
     return folder, model
 
 
@@ -187,8 +163,8 @@ def test_spec_tells_checkpoints_apart_and_not_copies(saved, embedder, tmp_path):
     assert "dtype=float32" in embedder.spec and "crop=32x32" in embedder.spec
     shutil.copytree(folder, tmp_path / "copy")
     assert ClipEmbedder.spec_for(tmp_path / "copy") == embedder.spec
-    _save(tmp_path / "other-seed", _tiny_clip(seed=1))
-    _save(tmp_path / "other-width", _tiny_clip(seed=0, projection_dim=8))
+    save_clip(tmp_path / "other-seed", tiny_clip(seed=1))
+    save_clip(tmp_path / "other-width", tiny_clip(seed=0, projection_dim=8))
     specs = {embedder.spec, ClipEmbedder.spec_for(tmp_path / "other-seed"),
              ClipEmbedder.spec_for(tmp_path / "other-width")}
     assert len(specs) == 3

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import QWEN3_VL_TEMPLATE, save_qwen3_vl
 
 from cast_core.csg import Atom, ObjectNode, SceneGraph
 from cast_core.scorers.soft_tifa import NUMBER_WORDS, SoftTifaConfig, SoftTifaScorer, relative_map
@@ -24,64 +25,15 @@ from cast_core.scorers.soft_tifa_inputs import (
     render_prompt,
 )
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|video_pad|>"]
-TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message.role }}\n"
-            "{% if message.content is string %}{{ message.content }}{% else %}"
-            "{% for c in message.content %}{% if c.type == 'image' %}"
-            "<|vision_start|><|image_pad|><|vision_end|>{% elif c.type == 'text' %}{{ c.text }}"
-            "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = QWEN3_VL_TEMPLATE
 PIXELS = {"min_pixels": 32 * 32, "max_pixels": 256 * 256}
 YES_FORMS = ("Yes", "yes", "YES", " Yes", " yes", " YES")
-
-
-def _corpus() -> list[str]:
-    answers = ["Yes", "No", "yes", "no", *NUMBER_WORDS, *(w.capitalize() for w in NUMBER_WORDS)]
-    spaced = [f"answer {w}" for w in answers]
-    return ["Is there a dog? Please answer yes or no.", "How many red dogs are there?",
-            "Please answer with a number.", "Are the dogs red?", "Describe the image.",
-            *answers, *spaced] * 20
-
-
-def _save_tiny(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    bpe_model = json.loads(bpe.to_str())["model"]
-    tokenizer = Qwen2Tokenizer(vocab=bpe_model["vocab"],
-                               merges=[tuple(m) for m in bpe_model["merges"]],
-                               additional_special_tokens=SPECIAL[1:], chat_template=TEMPLATE)
-    tokenizer.save_pretrained(path)
-    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIAL}
-    config = Qwen3VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "head_dim": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                        "mrope_section": [2, 1, 1],
-                                                        "mrope_interleaved": True}},
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "out_hidden_size": 32, "num_position_embeddings": 64,
-                       "deepstack_visual_indexes": [0]},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    torch.manual_seed(0)
-    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
-    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
-                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen3_vl")
-    _save_tiny(path)
-    return path
+    return save_qwen3_vl(path)
 
 
 @pytest.fixture(scope="module")
