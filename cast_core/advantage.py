@@ -32,6 +32,17 @@ Departures from DESIGN.md: we average over atoms (1/|A_valid|) instead of summin
 scale does not grow with the atom count (before the global term and the clamp the spatial mean of
 M is A_bar); the global term (pixels no atom covers still get the sample's overall credit) is ours.
 
+Group maps (e.g. one per atom type, for ReCAST's per-reward step weights): with each valid atom in
+one group T, group T's share of M before the clamp is
+    M_T(u) = (1/|A_valid|) sum_{a in T} A_a [H~_a(u) + global_weight * (1 - coverage(u))],
+coverage over all atoms; so sum_T M_T(u) = M(u) before the clamp, i.e. clamp(sum_T M_T) = M.
+Group maps are not clamped (a weighted sum of them should be clamped by its user).
+
+No-map credit (the "atom" ablation: atom-level credit without pixel projection): one constant per
+sample, c = clamp(A_bar, -clip, clip), A_bar = mean_a A_a over valid atoms (0 without any). It is
+the spatial mean of M's atom term; a map equal to c everywhere trains on the same atom advantages
+with the heatmaps taken out.
+
 Pooling onto the latent/token grid uses adaptive average pooling for any h x w: with H, W
 multiples of h, w it is the block mean; for h > H (or w > W) each cell averages the one or two
 pixels its window touches, which for integer factors is nearest-neighbour replication.
@@ -177,34 +188,88 @@ def atom_reward(
     raise ValueError(f"kind must be 'mean' or 'geometric', got {kind!r}")
 
 
-def pixel_advantage_map(
-    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, global_weight: float, clip: float
-) -> PixelMap:
-    """Project atom advantages [N, A] through heatmaps [N, A, H, W] (>= 0); see module docstring."""
+def _check_map_inputs(advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor) -> None:
     N, A = advantages.shape
     if heatmaps.dim() != 4 or heatmaps.shape[:2] != (N, A) or atom_mask.shape != (N, A):
         raise ValueError(
             f"need advantages [N, A], heatmaps [N, A, H, W], atom_mask [N, A]: got "
             f"{tuple(advantages.shape)}, {tuple(heatmaps.shape)}, {tuple(atom_mask.shape)}"
         )
-    if clip <= 0:
-        raise ValueError(f"clip must be > 0, got {clip}; use e.g. 5.0")
+
+
+def _atom_weights(advantages: Tensor, atom_mask: Tensor) -> Tensor:
+    """A_a / |A_valid| [N, A] (0 at padded atoms); its sum over atoms is A_bar."""
+    n_valid = atom_mask.sum(dim=1).clamp_min(1).to(advantages.dtype)  # [N]
+    return torch.where(atom_mask, advantages, 0.0) / n_valid[:, None]
+
+
+def _grouped_maps(
+    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, onehot: Tensor, global_weight: float
+) -> tuple[Tensor, Tensor]:
+    """(unclamped maps M_T [N, T, H, W], coverage [N, H, W]); onehot [N, A, T] puts atoms in
+    groups (module docstring)."""
     valid = atom_mask[:, :, None, None]  # [N, A, 1, 1]
     h = torch.where(valid, heatmaps, torch.ones_like(heatmaps))  # [N, A, H, W]
     if not torch.isfinite(h).all() or (h < 0).any():
         raise ValueError("heatmaps at valid atoms must be finite and >= 0; clamp the scorer's maps")
+    dtype = torch.promote_types(advantages.dtype, h.dtype)
+    h = h.to(dtype)
     peak = h.amax(dim=(-2, -1), keepdim=True)  # [N, A, 1, 1]
-    hn = torch.where(peak > 0, h / peak.clamp_min(torch.finfo(h.dtype).tiny), 1.0)  # [N, A, H, W]
+    hn = torch.where(peak > 0, h / peak.clamp_min(torch.finfo(dtype).tiny), 1.0)  # [N, A, H, W]
     h_tilde = hn / hn.mean(dim=(-2, -1), keepdim=True)  # [N, A, H, W]
-    a = torch.where(atom_mask, advantages, 0.0)  # [N, A]
-    n_valid = atom_mask.sum(dim=1).clamp_min(1).to(h.dtype)  # [N]
-    a_bar = a.sum(dim=1) / n_valid  # [N]
     coverage = torch.where(valid, hn, 0.0).amax(dim=1)  # [N, H, W]
-    atom_term = (a[:, :, None, None] * h_tilde).sum(dim=1) / n_valid[:, None, None]  # [N, H, W]
-    m = atom_term + global_weight * (1.0 - coverage) * a_bar[:, None, None]  # [N, H, W]
+    w = _atom_weights(advantages.to(dtype), atom_mask)[:, :, None] * onehot.to(dtype)  # [N, A, T]
+    atom_term = torch.einsum("nat,nahw->nthw", w, h_tilde)  # [N, T, H, W]
+    uncovered = global_weight * (1.0 - coverage)[:, None]  # [N, 1, H, W]
+    return atom_term + uncovered * w.sum(dim=1)[:, :, None, None], coverage
+
+
+def pixel_advantage_map(
+    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, global_weight: float, clip: float
+) -> PixelMap:
+    """Project atom advantages [N, A] through heatmaps [N, A, H, W] (>= 0); see module docstring."""
+    _check_map_inputs(advantages, heatmaps, atom_mask)
+    if clip <= 0:
+        raise ValueError(f"clip must be > 0, got {clip}; use e.g. 5.0")
+    one_group = atom_mask[:, :, None]  # [N, A, 1]
+    m, coverage = _grouped_maps(advantages, heatmaps, atom_mask, one_group, global_weight)
     has_atoms = atom_mask.any(dim=1)[:, None, None]  # [N, 1, 1]
-    m = torch.where(has_atoms, m.clamp(-clip, clip), 0.0)
+    m = torch.where(has_atoms, m[:, 0].clamp(-clip, clip), 0.0)  # [N, H, W]
     return PixelMap(m, coverage, m.abs().mean(dim=(-2, -1)))
+
+
+def grouped_advantage_maps(
+    advantages: Tensor,
+    heatmaps: Tensor,
+    atom_mask: Tensor,
+    groups: Tensor,
+    num_groups: int,
+    global_weight: float,
+) -> Tensor:
+    """Group T's share of the unclamped pixel map -> [N, T, H, W] (module docstring): advantages
+    [N, A], heatmaps [N, A, H, W], atom_mask [N, A], groups [N, A] int64 in [0, num_groups) at
+    valid atoms (padded atoms' entries are ignored). Summed over T: the map before its clamp."""
+    _check_map_inputs(advantages, heatmaps, atom_mask)
+    if groups.shape != atom_mask.shape or groups.dtype != torch.int64:
+        raise ValueError(f"groups must be int64 [N, A] like atom_mask {tuple(atom_mask.shape)}; "
+                         f"got {groups.dtype} {tuple(groups.shape)}")
+    g = torch.where(atom_mask, groups, 0)  # [N, A]
+    if num_groups < 1 or (g < 0).any() or (g >= num_groups).any():
+        raise ValueError(f"groups at valid atoms must lie in [0, num_groups={num_groups}); got "
+                         f"values {sorted(set(g[atom_mask].tolist()))}")
+    onehot = F.one_hot(g, num_groups) * atom_mask[:, :, None]  # [N, A, T]
+    return _grouped_maps(advantages, heatmaps, atom_mask, onehot, global_weight)[0]
+
+
+def atom_mean_credit(advantages: Tensor, atom_mask: Tensor, clip: float) -> Tensor:
+    """The no-map credit [N]: clamp(mean of the valid atoms' advantages, -clip, clip), 0 for a
+    sample without valid atoms; advantages, atom_mask [N, A] (module docstring)."""
+    if advantages.dim() != 2 or atom_mask.shape != advantages.shape:
+        raise ValueError(f"need advantages and atom_mask [N, A]: got {tuple(advantages.shape)} "
+                         f"and {tuple(atom_mask.shape)}")
+    if clip <= 0:
+        raise ValueError(f"clip must be > 0, got {clip}; use e.g. 5.0")
+    return _atom_weights(advantages, atom_mask).sum(dim=1).clamp(-clip, clip)  # [N]
 
 
 def pool_to_grid(pixel_map: Tensor, h: int, w: int) -> Tensor:

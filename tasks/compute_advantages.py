@@ -2,13 +2,25 @@
 pixel advantage map pooled onto the log-prob grid, and the Flow-GRPO scalar advantage of the same
 sample (`advantage_maps`, maps in one safetensors blob, row `blob_index`).
 
-Both the CAST map and the scalar advantage are always computed, so a run of either recipe can be
-inspected against the other; `advantage.kind` decides which one the training stage uses. Gating
-(`advantage.gate_by_parents`) zeroes a child atom's credit where a parent atom scored < 0.5.
+The blob holds, row i = the sample's `blob_index` (N samples, h x w log-prob grid):
+- `maps` [N, h, w]: CAST's clamped pixel map (`cast_core.advantage.pixel_advantage_map`), pooled;
+- `scalar` [N]: Flow-GRPO's scalar advantage;
+- `atom` [N]: the no-map credit (`atom_mean_credit`: the clamped mean of the sample's gated atom
+  advantages), which `advantage.kind = "atom"` trains on as a constant map;
+- `type_maps` [N, 4, h, w]: the map split by atom type in the order of `TYPE_ORDER` (object,
+  count, attribute, relation; `grouped_advantage_maps`), each type's share of the map before the
+  clamp, pooled like `maps` (for ReCAST's per-type step weights). Pooling is linear, so
+  `type_maps.sum(1)` is the pooled unclamped map: it equals `maps` wherever no pixel of a grid
+  cell was clamped (everywhere when the grid is the heatmap's pixel grid, after the clamp).
+All are always computed, so a run of one recipe can be inspected against the others;
+`advantage.kind` decides which one the training stage uses. Gating (`advantage.gate_by_parents`)
+zeroes a child atom's credit where a parent atom scored < 0.5.
 Cached on the atom scores' content hash, the rollout's and the advantage section.
 """
 
 from __future__ import annotations
+
+from typing import get_args
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,18 +29,22 @@ from safetensors import safe_open
 
 from cast_core.advantage import (
     atom_advantages,
+    atom_mean_credit,
     atom_reward,
     gate_by_parents,
+    grouped_advantage_maps,
     pixel_advantage_map,
     pool_to_grid,
     scalar_advantages,
 )
+from cast_core.csg import AtomType
 from tasks.recipe import Recipe
 from tasks.score_atoms import load_rollout_rows
 from tasks.stage import StageRef, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "compute_advantages"
+TYPE_ORDER: tuple[str, ...] = get_args(AtomType)  # object, count, attribute, relation
 
 
 def _log_prob_grid(store: Store, latents_path: str) -> tuple[int, int]:
@@ -72,12 +88,16 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
             by_key.setdefault((r["prompt_id"], r["sample_index"]), []).append(r)
         atom_ids = [[r["atom_id"] for r in by_key[(pid, 0)]] for pid in prompt_ids]
         a_max = max(len(ids) for ids in atom_ids)
-        hh, ww = by_key[(prompt_ids[0], 0)][0]["heatmap_h"], by_key[(prompt_ids[0], 0)][0]["heatmap_w"]
+        first = by_key[(prompt_ids[0], 0)][0]
+        hh, ww = first["heatmap_h"], first["heatmap_w"]
         s = torch.zeros(b, g, a_max, dtype=torch.float64)  # [B, G, A]
         heat = torch.zeros(b, g, a_max, hh, ww, dtype=torch.float32)  # [B, G, A, H, W]
         mask = torch.zeros(b, a_max, dtype=torch.bool)  # [B, A]
+        types = torch.zeros(b, a_max, dtype=torch.int64)  # [B, A] index into TYPE_ORDER
         for bi, pid in enumerate(prompt_ids):
             mask[bi, :len(atom_ids[bi])] = True
+            for ai, r in enumerate(by_key[(pid, 0)]):
+                types[bi, ai] = TYPE_ORDER.index(r["atom_type"])
             for gi in range(g):
                 for ai, r in enumerate(by_key[(pid, gi)]):
                     s[bi, gi, ai] = r["score"]
@@ -92,12 +112,19 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
             gated = gate_by_parents(torch.ones_like(a), s, parents) == 0
         rewards = atom_reward(s, mask, cfg.reward)  # [B, G]
         scalar = scalar_advantages(rewards, cfg.scalar_mode, cfg.std_floor)
-        pix = pixel_advantage_map(a.reshape(b * g, a_max).float(),
-                                  heat.reshape(b * g, a_max, hh, ww),
-                                  mask.repeat_interleave(g, 0), cfg.global_weight, cfg.clip)
+        flat_a = a.reshape(b * g, a_max).float()  # [N, A]
+        flat_heat = heat.reshape(b * g, a_max, hh, ww)  # [N, A, H, W]
+        flat_mask = mask.repeat_interleave(g, 0)  # [N, A]
+        pix = pixel_advantage_map(flat_a, flat_heat, flat_mask, cfg.global_weight, cfg.clip)
+        by_type = grouped_advantage_maps(flat_a, flat_heat, flat_mask,
+                                         types.repeat_interleave(g, 0), len(TYPE_ORDER),
+                                         cfg.global_weight)  # [N, 4, H, W]
         h, w = _log_prob_grid(store, samples[0]["latents_path"])
         maps = pool_to_grid(pix.map, h, w)  # [N, h, w]
-        blob = store.put_tensors({"maps": maps, "scalar": scalar.advantages.reshape(-1).float()})
+        type_maps = pool_to_grid(by_type.flatten(0, 1), h, w).view(b * g, len(TYPE_ORDER), h, w)
+        blob = store.put_tensors({"maps": maps, "scalar": scalar.advantages.reshape(-1).float(),
+                                  "atom": atom_mean_credit(flat_a, flat_mask, cfg.clip),
+                                  "type_maps": type_maps})
         adv_rows, map_rows = [], []
         for bi, pid in enumerate(prompt_ids):
             for gi in range(g):

@@ -6,6 +6,7 @@ recipe switch, on the same data and code:
 
     advantage.kind = "spatial"  CAST: per-atom z-scores projected through heatmaps (pixel maps)
     advantage.kind = "scalar"   Flow-GRPO: one reward per sample (mean or geometric mean of atoms)
+    advantage.kind = "atom"     ablation: CAST's atom z-scores as one constant map (no heatmaps)
     window.mode = "calibrated"  the window ends at the backbone's structure-formation step
     window.mode = "fixed"       the window is [window.start, window.start + window.size)
 
@@ -155,7 +156,15 @@ class WindowSection(_Section):
 
 
 class AdvantageSection(_Section):
-    kind: Literal["spatial", "scalar"]
+    """How rollouts are credited. `kind`: "spatial" (CAST: per-atom group z-scores, gated by
+    parents, projected through the scorer's heatmaps into a pixel map pooled onto the log-prob
+    grid), "scalar" (Flow-GRPO: one `reward` per sample, z-scored by `scalar_mode`), or "atom"
+    (ablation: CAST's gated atom z-scores without the pixel projection; each sample's map is the
+    constant mean of its atoms' advantages, clamped to `clip`, trained through the spatial loss).
+    `gate_by_parents`, `global_weight` and `clip` shape the atom kinds; `reward` and
+    `scalar_mode` the scalar one; `std_floor` bounds every group std."""
+
+    kind: Literal["spatial", "scalar", "atom"]
     gate_by_parents: bool = True
     global_weight: float = Field(1.0, ge=0.0)
     clip: float = Field(5.0, gt=0.0)
@@ -218,8 +227,9 @@ class Recipe(_Section):
             "micro_batches_per_epoch": -(-n // self.train.micro_batch),
             "optimizer_steps_per_iteration": -(-n // self.train.micro_batch)
             * self.train.inner_epochs,
-            "algorithm": "CAST (spatial atom advantages)" if self.advantage.kind == "spatial"
-            else f"Flow-GRPO (scalar {self.advantage.reward} reward)",
+            "algorithm": {"spatial": "CAST (spatial atom advantages)",
+                          "atom": "CAST without maps (atom advantages, constant map)"}.get(
+                self.advantage.kind, f"Flow-GRPO (scalar {self.advantage.reward} reward)"),
             "window": (f"calibrated: {self.window.size} steps ending at the formation step"
                        if self.window.mode == "calibrated" else
                        f"fixed: steps [{self.window.start}, "

@@ -2,7 +2,8 @@
 
 Reads the policy the rollouts were sampled with (`policy_state.policy_for`) and its AdamW state,
 the stored window steps, and the advantages the recipe selects ("spatial": the CAST maps on the
-log-prob grid; "scalar": Flow-GRPO's per-sample advantage), runs `cast_core.policy.policy_update`
+log-prob grid; "scalar": Flow-GRPO's per-sample advantage; "atom": the no-map credit as a constant
+map on the spatial loss), runs `cast_core.policy.policy_update`
 (inner epochs x micro-batches, clipped objective, optional KL to the adapter-free base, NaN/Inf
 guard that skips and records a bad micro-batch), and writes:
 - `train_steps`: one row per micro-batch step with loss, clip fraction, ratio mean/std (also the
@@ -124,6 +125,19 @@ def _step_row(u: UpdateStep) -> dict:
             "clip_fraction_per_step": kept(list(u.clip_fraction_per_step))}
 
 
+def _pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
+    """(advantages, loss kind) for `advantage.kind`: "spatial" the maps [N, h, w], "scalar" the
+    scalar advantages [N], "atom" the no-map credit [N] broadcast to a constant map [N, h, w]
+    (the spatial loss, so the only difference from CAST is the map)."""
+    if kind == "spatial":
+        return blob["maps"], "spatial"
+    if kind == "scalar":
+        return blob["scalar"], "scalar"
+    if kind == "atom":
+        return blob["atom"][:, None, None].expand_as(blob["maps"]).contiguous(), "spatial"
+    raise ValueError(f"advantage.kind must be 'spatial', 'scalar' or 'atom'; got {kind!r}")
+
+
 def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef,
               advantages: StageRef, iteration: int) -> str:
     policy = policy_for(store, recipe, iteration)
@@ -166,8 +180,8 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         adv_blob = store.get_tensors(pq.read_table(store.resolve(
             advantages.path_with("/advantage_maps/")), columns=["map_path"])["map_path"][0]
             .as_py())
-        adv = adv_blob["maps"] if recipe.advantage.kind == "spatial" else adv_blob["scalar"]
-        config = PolicyConfig(advantage=recipe.advantage.kind, clip_range=tr.clip_range,
+        adv, loss_kind = _pick_advantage(adv_blob, recipe.advantage.kind)
+        config = PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range,
                               kl_beta=tr.kl_beta, inner_epochs=tr.inner_epochs,
                               micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
         total = -(-len(rows) // tr.micro_batch) * tr.inner_epochs

@@ -7,8 +7,10 @@ import torch
 
 from cast_core.advantage import (
     atom_advantages,
+    atom_mean_credit,
     atom_reward,
     gate_by_parents,
+    grouped_advantage_maps,
     pixel_advantage_map,
     pool_to_grid,
     scalar_advantages,
@@ -168,3 +170,75 @@ def test_pool_upsampling_integer_factor_is_nearest():
     up = pool_to_grid(m, 4, 9)
     assert torch.equal(up, m.repeat_interleave(2, dim=1).repeat_interleave(3, dim=2))
     assert pool_to_grid(m, 5, 2).shape == (1, 5, 2)
+
+
+def test_atom_mean_credit_is_the_clamped_mean_over_valid_atoms():
+    adv = torch.tensor([[1.0, -2.0, 4.0], [3.0, 9.0, -7.0], [5.0, 5.0, 5.0]])  # [N=3, A=3]
+    mask = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
+    credit = atom_mean_credit(adv, mask, clip=10.0)
+    torch.testing.assert_close(credit, torch.tensor([(1.0 - 2.0 + 4.0) / 3, 3.0, 0.0]))
+    torch.testing.assert_close(atom_mean_credit(adv, mask, clip=0.5), torch.tensor([0.5, 0.5, 0.0]))
+    torch.testing.assert_close(atom_mean_credit(-adv, mask, clip=0.5),
+                               torch.tensor([-0.5, -0.5, 0.0]))
+    with pytest.raises(ValueError, match="clip must be > 0"):
+        atom_mean_credit(adv, mask, clip=0.0)
+
+
+def test_atom_mean_credit_is_the_spatial_mean_of_the_atom_term():
+    # mean_u H~_a = 1 for every atom, so without the global term and the clamp mean_u M = A_bar
+    torch.manual_seed(4)
+    heat = torch.rand(4, 3, 8, 8, dtype=torch.float64)
+    adv = torch.randn(4, 3, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, False, True], [False, True, False],
+                         [True, True, False]])
+    m = pixel_advantage_map(adv, heat, mask, global_weight=0.0, clip=1e9).map
+    torch.testing.assert_close(m.mean(dim=(-2, -1)), atom_mean_credit(adv, mask, clip=1e9))
+
+
+def test_group_maps_closed_form_with_partial_coverage():
+    # atom 0 (group 1) covers the left half with H = 2; atom 1 (group 2) is uniform; group 0 empty
+    H, W, gw = 4, 6, 0.3
+    heat = torch.zeros(1, 2, H, W)
+    heat[0, 0, :, : W // 2] = 2.0
+    heat[0, 1] = 1.0
+    adv = torch.tensor([[1.5, -0.8]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    maps = grouped_advantage_maps(adv, heat, mask, torch.tensor([[1, 2]]), 3, gw)
+    assert maps.shape == (1, 3, H, W)
+    assert torch.equal(maps[0, 0], torch.zeros(H, W))
+    # atom 1 covers everything (coverage 1): no global term anywhere; each share is A_a / |A| * H~
+    torch.testing.assert_close(maps[0, 1], torch.full((H, W), 1.5 / 2 * 2.0) * (heat[0, 0] > 0))
+    torch.testing.assert_close(maps[0, 2], torch.full((H, W), -0.8 / 2))
+
+
+def test_group_maps_sum_to_the_unclamped_map_and_clamp_to_the_map():
+    torch.manual_seed(5)
+    heat = torch.rand(3, 5, 8, 8)
+    heat[0, 1, :4] = 0.0  # partial coverage so the global term is not zero
+    heat[1, 2] = 0.0  # an ungrounded atom: uniform
+    adv = 3 * torch.randn(3, 5)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[2] = False  # no valid atom: all zero
+    groups = torch.randint(0, 4, (3, 5))
+    maps = grouped_advantage_maps(adv, heat, mask, groups, 4, global_weight=0.7)  # [N, 4, H, W]
+    unclamped = pixel_advantage_map(adv, heat, mask, global_weight=0.7, clip=1e9).map
+    torch.testing.assert_close(maps.sum(dim=1), unclamped)
+    clip = 1.0
+    clamped = pixel_advantage_map(adv, heat, mask, global_weight=0.7, clip=clip).map
+    assert (unclamped.abs() > clip).any(), "the clamp never binds: the check below tests nothing"
+    torch.testing.assert_close(maps.sum(dim=1).clamp(-clip, clip), clamped)
+    assert torch.equal(maps[2], torch.zeros(4, 8, 8))
+    for t in range(4):  # a group holding no valid atom of a sample has a zero map
+        empty = ~((groups == t) & mask).any(dim=1)
+        assert torch.equal(maps[empty, t], torch.zeros_like(maps[empty, t]))
+
+
+def test_group_maps_reject_groups_out_of_range():
+    adv, heat = torch.ones(1, 2), torch.ones(1, 2, 3, 3)
+    mask = torch.tensor([[True, False]])
+    with pytest.raises(ValueError, match="num_groups=2"):
+        grouped_advantage_maps(adv, heat, mask, torch.tensor([[2, 0]]), 2, 0.0)
+    grouped_advantage_maps(adv, heat, mask, torch.tensor([[1, 7]]), 2, 0.0)  # padding ignored
+    with pytest.raises(ValueError, match="int64"):
+        grouped_advantage_maps(adv, heat, mask, torch.tensor([[1.0, 0.0]]), 2, 0.0)

@@ -302,3 +302,71 @@ def test_skipped_stage_reads_its_own_outputs_after_a_config_change(ref, tmp_path
     windows = store.resolve(again.path_with("/windows/"))
     assert file_hash(windows) == file_hash(src.resolve(refs["calibrate_window"]
                                                        .path_with("/windows/")))
+
+
+def test_advantage_blob_holds_type_maps_and_the_no_map_credit(ref):
+    """type_maps [N, 4, h, w] (object, count, attribute, relation) are each type's share of the
+    unclamped pixel map, so on the shapes world (log-prob grid = heatmap grid: pooling is the
+    identity) clamp(sum over types) is the stored map; a type a prompt lacks has a zero map; the
+    `atom` credit is the clamped mean of the sample's stored (gated) atom advantages."""
+    store, recipe, _, _ = ref
+    rows = _rows(store, "advantage_maps")
+    blob = store.get_tensors(rows[0]["map_path"])
+    n, h, w = blob["maps"].shape
+    assert tuple(blob["type_maps"].shape) == (n, 4, h, w)
+    assert tuple(blob["atom"].shape) == (n,)
+    scores = _rows(store, "atom_scores")
+    assert {(r["heatmap_h"], r["heatmap_w"]) for r in scores} == {(h, w)}
+    clip = recipe.advantage.clip
+    torch.testing.assert_close(blob["type_maps"].sum(dim=1).clamp(-clip, clip), blob["maps"],
+                               atol=1e-5, rtol=1e-5)
+    order = ("object", "count", "attribute", "relation")
+    types = defaultdict(set)
+    for r in scores:
+        types[r["prompt_id"]].add(r["atom_type"])
+    advantages = defaultdict(list)
+    for r in _rows(store, "advantages"):
+        advantages[(r["prompt_id"], r["sample_index"])].append(r["advantage"])
+    live = set()
+    for r in rows:
+        i, present = r["blob_index"], types[r["prompt_id"]]
+        for t, name in enumerate(order):
+            if name not in present:
+                assert torch.equal(blob["type_maps"][i, t], torch.zeros(h, w)), (i, name)
+            elif blob["type_maps"][i, t].abs().max() > 0:
+                live.add(name)
+        values = advantages[(r["prompt_id"], r["sample_index"])]
+        expected = max(-clip, min(clip, sum(values) / len(values)))
+        assert blob["atom"][i].item() == pytest.approx(expected, abs=1e-5)
+    assert len(live) >= 2, f"only {live} have non-zero type maps: the sum check is too weak"
+    assert blob["atom"].abs().max() > 0
+
+
+def test_atom_kind_trains_on_the_constant_map(ref, tmp_path):
+    """advantage.kind = "atom" on a copy of the reference store: the rollouts and scores are
+    reused (their keys do not read the advantage section), the advantages and the training rerun,
+    the update is finite and moves the LoRA, and differently from CAST's map."""
+    src, _, prompts, refs = ref
+    shutil.copytree(src.root, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    recipe = ci_recipe(prompts, **{"advantage.kind": "atom"})
+    again = run_iteration(store, recipe, 0)
+    assert all(again[s].skipped for s in ("build_csgs", "calibrate_window", "rollout",
+                                          "score_atoms"))
+    assert not again["compute_advantages"].skipped and not again["train_epoch"].skipped
+    steps = sorted(_rows(store, "train_steps"), key=lambda r: r["step"])
+    assert abs(steps[0]["ratio_mean"] - 1.0) <= 1e-3
+    assert not any(s["skipped"] for s in steps)
+    rows = _rows(store, "advantage_maps")
+    blob = store.get_tensors(rows[0]["map_path"])
+    credit = blob["atom"][[r["blob_index"] for r in rows]]
+    assert torch.isfinite(credit).all() and credit.abs().max() > 0
+    ckpt = _rows(store, "checkpoints")[0]
+    trained = store.get_tensors(ckpt["lora_path"])
+    cast = src.get_tensors(_rows(src, "checkpoints")[0]["lora_path"])
+    init, _ = load_policy(recipe, None)
+    before = {n: p.detach() for n, p in init.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(trained[n], before[n]) for n in before)
+    assert any(not torch.equal(trained[n], cast[n]) for n in before)
+    assert ckpt["policy_hash"] != _rows(src, "checkpoints")[0]["policy_hash"]
+    assert again["rollout"].content_hash == refs["rollout"].content_hash

@@ -1,0 +1,658 @@
+"""Benchmark: CAST against Flow-GRPO on the shapes world, at equal budget, with two ablations.
+
+    .venv/bin/python benchmarks/bench_methods.py [--quick] [--store DIR] [--report-dir DIR]
+        [--seeds N] [--iterations N] [--threads N]
+
+Run it from the repository root. Arms (every one from the committed base model):
+- flowgrpo: data/recipes/shapes-flowgrpo.toml (scalar reward = mean atom score, group z-score;
+  hand-set fixed window, steps [0, 3); all-dims clip range 1e-3);
+- cast: data/recipes/shapes-cast.toml (calibrated window; atom z-scores projected through the
+  verifier's heatmaps; per-position clip range);
+- cast-fixed-window: cast with the flowgrpo recipe's `[window]` section;
+- cast-no-map: cast with `advantage.kind = "atom"`: the same gated atom z-scores, but each
+  sample's map is the constant mean of them (atom-level credit, no pixel projection).
+Equal budget: every arm runs the same iterations with the same seed list (`run.seed` = s), so it
+draws the same train prompts at each iteration and starts each iteration's rollouts from the same
+noise seeds; prompts, group size, sampler, LoRA and optimizer settings are equal (checked, see
+`check_equal_budget`); only the advantage, the window and the clip range (Flow-GRPO's all-dims
+ratio needs its own) differ, as the recipes say.
+
+Protocol. Stages are called as functions (no Prefect server) on one store: each arm x seed is its
+own run `<prefix>-<arm>-s<seed>` (prefix `bench`, `quick` with --quick); checkpoints are evaluated
+every `eval_every` iterations and at the last one. The base model (iteration -1) is evaluated once,
+as run `<prefix>-base`: it is the same for every arm (same weights, eval prompts and noise seeds,
+which come from the prompt text; the eval spec hashes are checked equal). Eval prompts: an evenly
+spaced subset of each split file (`eval_prompts` lines, stored as a blob), because the files are
+grouped by tag and `eval.max_prompts` (the first N) would keep only the first tags.
+Re-running on the same store resumes: finished stages are skipped (their recorded times stay).
+Keep one benchmark size per store. Query it like any store, e.g. strict accuracy by arm:
+
+    .venv/bin/cast sql --root runs/bench-methods "SELECT regexp_extract(run_id,
+        '^bench-(.+)-s[0-9]+$', 1) AS arm, iteration, split, avg(strict_accuracy)
+        FROM evals WHERE group_kind = 'overall' GROUP BY ALL ORDER BY ALL"
+
+Statistics, from the store (DuckDB over `evals` and `stages`; arm and seed parsed from run_id):
+improvement = metric of the last checkpoint - metric of the base, per arm, seed, split, for strict
+accuracy and mean atom score. Mean over seeds with a 95% Student t-interval over seeds
+(mean +- t_{0.975, n-1} s / sqrt(n); none with one seed). The base is one fixed evaluation, so the
+interval is over training seeds only (the eval's prompts and noise are fixed). The ratio
+improvement(arm) / improvement(flowgrpo) has a 95% percentile interval from a bootstrap over seeds,
+paired (one resample of seed indices for both arms, since seed s shares prompts and noise), 10000
+draws, fixed seed; no ratio when Flow-GRPO's mean improvement is <= 0, and no interval when more
+than 2.5% of draws have a denominator <= 0 (the interval is unbounded) or with one seed. Time: the
+body seconds of each stage from the `stages` table (the same records train_steps.
+stage_seconds_json is made from, which lacks train_epoch itself); iteration = rollout +
+score_atoms + compute_advantages + train_epoch; medians over seeds x iterations; ratio = median
+CAST / median Flow-GRPO.
+
+Full-mode size (the default): 4 arms x 4 seeds x 8 iterations of the default recipes (16 prompts x
+8 samples), evaluated at iterations 3 and 7 on 64 prompts per split x 2 images (256 images per
+checkpoint). Arithmetic on this 2-core machine:
+  training   4 x 4 x 8 = 128 iterations x ~28 s (measured per default iteration)   = 3584 s
+  evaluation (4 x 4 x 2 + 1 base) = 33 checkpoints x 256 images x 0.118 s/image   =  997 s
+             (0.118 s/image: base eval, 828 images in 98 s, README)
+  run level  16 runs x ~6 s (CSGs 1.9 s + calibration on 16 prompts 4.0 s, 1 thread) =   96 s
+  total ~4680 s = 78 min, leaving ~12 min of the 90 for load from other processes.
+--quick: 2 seeds x 2 iterations, 4 prompts x 4 samples, 6 eval prompts per split x 2 images at
+every iteration, the recipes' calibration (16 prompts; with fewer it can land on Flow-GRPO's
+window, which makes cast and cast-fixed-window the same run): a smoke check of ~3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+FLOWGRPO_RECIPE = "data/recipes/shapes-flowgrpo.toml"
+CAST_RECIPE = "data/recipes/shapes-cast.toml"
+BASELINE = "flowgrpo"
+SPLITS = ("hard", "eval")
+METRICS = (("strict_accuracy", "strict accuracy"), ("mean_score", "mean atom score"))
+ITERATION_STAGES = ("rollout", "score_atoms", "compute_advantages", "train_epoch")
+SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling", "eval")
+SAME_TRAIN = ("lr", "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "micro_batch",
+              "max_grad_norm", "weight_decay")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method: a committed recipe plus overrides."""
+
+    name: str
+    recipe: str
+    overrides: dict
+    about: str
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big a benchmark is; None keeps the recipe's value."""
+
+    iterations: int
+    seeds: int
+    eval_prompts: int
+    images_per_prompt: int
+    eval_every: int
+    per_iteration: int | None = None
+    group_size: int | None = None
+    calibration_prompts: int | None = None
+
+    def __post_init__(self) -> None:
+        if min(self.iterations, self.seeds, self.eval_prompts, self.images_per_prompt,
+               self.eval_every) < 1:
+            raise ValueError(f"every size must be >= 1: {self}")
+
+    def eval_at(self) -> tuple[int, ...]:
+        """Evaluated iterations: every `eval_every`-th and the last."""
+        every = range(self.eval_every - 1, self.iterations, self.eval_every)
+        return tuple(sorted({*every, self.iterations - 1}))
+
+
+FULL = Size(iterations=8, seeds=4, eval_prompts=64, images_per_prompt=2, eval_every=4)
+QUICK = Size(iterations=2, seeds=2, eval_prompts=6, images_per_prompt=2, eval_every=1,
+             per_iteration=4, group_size=4)
+
+
+# ---- statistics ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Interval:
+    """mean of n values with a two-sided interval [low, high] (None when n < 2)."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    n: int
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio of mean improvements with its bootstrap interval; `note` says why one is None."""
+
+    value: float | None
+    low: float | None
+    high: float | None
+    n: int
+    note: str
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile for p in (0.5, 1): bisection on the CDF, 0.5 + the integral of the
+    density from 0 (Simpson's rule, 4000 intervals); |error| < 1e-6 for df >= 1, p <= 0.999."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"need 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float) -> float:
+        u = np.linspace(0.0, x, 4001)
+        f = np.exp(log_c - (df + 1) / 2 * np.log1p(u * u / df))
+        return 0.5 + (u[1] - u[0]) / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(values: list[float], level: float = 0.95) -> Interval:
+    """mean +- t_{(1+level)/2, n-1} * s / sqrt(n) (s with n - 1); no interval for n < 2."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("t_interval needs at least one value")
+    mean = float(x.mean())
+    if x.size < 2:
+        return Interval(mean, None, None, 1)
+    half = t_quantile((1 + level) / 2, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return Interval(mean, mean - half, mean + half, int(x.size))
+
+
+def ratio_bootstrap(numerator: list[float], denominator: list[float], draws: int = 10000,
+                    seed: int = 0, level: float = 0.95) -> Ratio:
+    """mean(numerator) / mean(denominator) with a paired percentile bootstrap over the n seeds
+    (module docstring); draws whose denominator mean is <= 0 count as +-infinity."""
+    num, den = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
+    if num.shape != den.shape or num.ndim != 1 or num.size == 0:
+        raise ValueError(f"need two equal, non-empty lists (paired by seed): got {num.shape}, "
+                         f"{den.shape}")
+    n, tail = int(num.size), (1 - level) / 2
+    if den.mean() <= 0:
+        return Ratio(None, None, None, n, "Flow-GRPO's mean improvement is <= 0: no ratio")
+    value = float(num.mean() / den.mean())
+    if n < 2:
+        return Ratio(value, None, None, n, "one seed: no interval")
+    idx = np.random.default_rng(seed).integers(0, n, size=(draws, n))  # [draws, n]
+    d, m = den[idx].mean(axis=1), num[idx].mean(axis=1)
+    if (d <= 0).mean() > tail:
+        return Ratio(value, None, None, n, f"{(d <= 0).mean():.1%} of draws have a denominator "
+                     f"<= 0: the interval is unbounded")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(d > 0, m / d, np.copysign(np.inf, m))
+    low, high = np.quantile(r, [tail, 1 - tail], method="inverted_cdf")
+    return Ratio(value, float(low), float(high), n, "")
+
+
+# ---- recipes and runs ---------------------------------------------------------------------
+
+
+def arms() -> tuple[Arm, ...]:
+    """The four arms; cast-fixed-window takes the flowgrpo recipe's window section."""
+    from tasks.recipe import load_recipe
+
+    w = load_recipe(FLOWGRPO_RECIPE).window
+    fixed = {"window.mode": w.mode, "window.start": w.start, "window.size": w.size}
+    return (Arm("flowgrpo", FLOWGRPO_RECIPE, {}, "scalar reward, hand-set window"),
+            Arm("cast", CAST_RECIPE, {}, "atom maps, calibrated window"),
+            Arm("cast-fixed-window", CAST_RECIPE, fixed, "atom maps, Flow-GRPO's window"),
+            Arm("cast-no-map", CAST_RECIPE, {"advantage.kind": "atom"},
+                "atom advantages, constant map, calibrated window"))
+
+
+def run_name(prefix: str, arm: str, seed: int) -> str:
+    return f"{prefix}-{arm}-s{seed}"
+
+
+def eval_subsets(store, size: Size) -> dict[str, str]:
+    """{split: path of an evenly spaced `eval_prompts`-line subset}, stored as blobs."""
+    from tasks.recipe import load_recipe
+
+    out = {}
+    for split, path in sorted(load_recipe(CAST_RECIPE).eval.splits.items()):
+        lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+        keep = np.unique(np.linspace(0, len(lines) - 1, min(size.eval_prompts, len(lines)))
+                         .round().astype(int))
+        blob = store.put_blob("".join(lines[i] + "\n" for i in keep).encode(), "jsonl")
+        out[split] = str(store.resolve(blob.path))
+    return out
+
+
+def recipe_for(arm: Arm, seed: int, size: Size, splits: dict[str, str], name: str,
+               threads: int | None):
+    """The arm's recipe at this size and seed, run `name`, evaluated on `splits`."""
+    from tasks.recipe import load_recipe
+
+    sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
+             "window.calibration_prompts": size.calibration_prompts, "run.threads": threads}
+    return load_recipe(arm.recipe, {
+        **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
+        "run.name": name, "run.seed": seed, "eval.splits": splits,
+        "eval.images_per_prompt": size.images_per_prompt, "eval.max_prompts": None})
+
+
+def check_equal_budget(recipes: list) -> None:
+    """Raise unless the recipes share seed, prompts, sampler, eval, models, window size and the
+    train settings other than the clip range."""
+    def budget(r) -> dict:
+        dump = r.model_dump(mode="json")
+        return {"seed": r.run.seed, "window_size": r.window.size,
+                **{s: dump[s] for s in SAME_SECTIONS},
+                **{f"train.{f}": dump["train"][f] for f in SAME_TRAIN}}
+
+    first = budget(recipes[0])
+    for r in recipes[1:]:
+        diff = [k for k, v in budget(r).items() if v != first[k]]
+        if diff:
+            raise ValueError(f"arms {recipes[0].run.name} and {r.run.name} differ in {diff}: "
+                             f"the comparison would not be at equal budget")
+
+
+def train_run(store, recipe, size: Size) -> int:
+    """Run-level stages, the iterations and their evaluations -> stages that were skipped."""
+    from tasks.build_csgs import build_csgs
+    from tasks.calibrate_window import calibrate_window
+    from tasks.compute_advantages import compute_advantages
+    from tasks.evaluate_checkpoint import evaluate_checkpoint
+    from tasks.rollout_groups import rollout_groups
+    from tasks.score_atoms import score_atoms
+    from tasks.train_epoch import train_epoch
+
+    csgs, window = build_csgs(store, recipe), calibrate_window(store, recipe)
+    refs = [csgs, window]
+    for k in range(size.iterations):
+        ro = rollout_groups(store, recipe, csgs, window, k)
+        sc = score_atoms(store, recipe, csgs, ro, k)
+        ad = compute_advantages(store, recipe, ro, sc, k)
+        refs += [ro, sc, ad, train_epoch(store, recipe, csgs, ro, sc, ad, k)]
+        line = f"{recipe.run.name} iteration {k}: {sum(r.seconds for r in refs[-4:]):.1f} s"
+        if k in size.eval_at():
+            refs.append(evaluate_checkpoint(store, recipe, k))
+            line += f", eval {refs[-1].seconds:.1f} s"
+        print(line, flush=True)
+    return sum(r.skipped for r in refs)
+
+
+# ---- results from the store ---------------------------------------------------------------
+
+EVALS_SQL = """
+SELECT run_id, iteration, split, strict_accuracy, mean_score
+FROM evals WHERE group_kind = 'overall' AND list_contains($runs, run_id)
+ORDER BY run_id, iteration, split"""
+STAGES_SQL = """
+SELECT run_id, iteration, stage,
+       arg_max(epoch(finished_at) - epoch(started_at), finished_at) AS seconds
+FROM stages WHERE list_contains($runs, run_id) GROUP BY ALL ORDER BY ALL"""
+WINDOWS_SQL = """
+SELECT run_id, method, window_start, window_end FROM windows WHERE list_contains($runs, run_id)"""
+
+
+QUERY = """-- strict accuracy and mean atom score by arm, seed and iteration (the base: arm 'base')
+SELECT coalesce(nullif(regexp_extract(run_id, '^{prefix}-(.+)-s[0-9]+$', 1), ''), 'base') AS arm,
+       regexp_extract(run_id, '-s([0-9]+)$', 1) AS seed, iteration, split, strict_accuracy,
+       mean_score
+FROM evals WHERE group_kind = 'overall' AND starts_with(run_id, '{prefix}-')
+ORDER BY ALL;"""
+
+
+@dataclass(frozen=True)
+class Results:
+    """What the report needs, read from the store: evals {(run, iteration, split): row}, stage
+    seconds {(run, iteration, stage): s}, windows {run: (method, start, end)}."""
+
+    evals: dict
+    seconds: dict
+    windows: dict
+
+
+def read_results(store, runs: list[str]) -> Results:
+    store.refresh_catalog()
+    con = store.connect_readonly()
+    try:
+        def rows(sql: str) -> list[dict]:
+            cursor = con.execute(sql, {"runs": runs})
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, r)) for r in cursor.fetchall()]
+
+        evals = {(r["run_id"], r["iteration"], r["split"]): r for r in rows(EVALS_SQL)}
+        seconds = {(r["run_id"], r["iteration"], r["stage"]): float(r["seconds"])
+                   for r in rows(STAGES_SQL)}
+        windows = {r["run_id"]: (r["method"], r["window_start"], r["window_end"])
+                   for r in rows(WINDOWS_SQL)}
+    finally:
+        con.close()
+    return Results(evals, seconds, windows)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """improvement[(arm, split, metric)] = per-seed values; its Interval; ratios vs flowgrpo;
+    base[(split, metric)]; curve[(arm, split, metric, iteration)] = Interval over seeds;
+    stage medians[(arm, stage)] (stage 'iteration' = the four summed), time ratios vs flowgrpo."""
+
+    improvement: dict
+    interval: dict
+    ratio: dict
+    base: dict
+    curve: dict
+    stage_median: dict
+    time_ratio: dict
+    run_level: dict
+
+
+def summarise(res: Results, arm_names: list[str], seeds: list[int], prefix: str,
+              size: Size) -> Summary:
+    last, base_run = size.iterations - 1, f"{prefix}-base"
+
+    def value(run: str, k: int, split: str, metric: str) -> float:
+        row = res.evals.get((run, k, split))
+        if row is None:
+            raise KeyError(f"no overall `evals` row for run {run}, iteration {k}, split {split}")
+        return float(row[metric])
+
+    keys = [(s, m) for s in SPLITS for m, _ in METRICS]
+    base = {(s, m): value(base_run, -1, s, m) for s, m in keys}
+    imp = {(a, s, m): [value(run_name(prefix, a, x), last, s, m) - base[(s, m)] for x in seeds]
+           for a in arm_names for s, m in keys}
+    curve = {(a, s, m, k): (t_interval([value(run_name(prefix, a, x), k, s, m) for x in seeds])
+                            if k >= 0 else Interval(base[(s, m)], None, None, len(seeds)))
+             for a in arm_names for s, m in keys for k in (-1, *size.eval_at())}
+    ratio = {(a, s, m): ratio_bootstrap(imp[(a, s, m)], imp[(BASELINE, s, m)])
+             for a in arm_names if a != BASELINE for s, m in keys}
+    medians = {}
+    for a in arm_names:
+        per_it = [{st: res.seconds[(run_name(prefix, a, x), k, st)] for st in ITERATION_STAGES}
+                  for x in seeds for k in range(size.iterations)]
+        for st in ITERATION_STAGES:
+            medians[(a, st)] = float(np.median([p[st] for p in per_it]))
+        medians[(a, "iteration")] = float(np.median([sum(p.values()) for p in per_it]))
+    time_ratio = {(a, st): medians[(a, st)] / medians[(BASELINE, st)]
+                  for a in arm_names for st in (*ITERATION_STAGES, "iteration")}
+    run_level = {(a, st): float(np.median([res.seconds[(run_name(prefix, a, x), k, st)]
+                                           for x in seeds for k in ks]))
+                 for a in arm_names for st, ks in (("build_csgs", [-1]), ("calibrate_window", [-1]),
+                                                   ("evaluate", size.eval_at()))}
+    return Summary(imp, {k: t_interval(v) for k, v in imp.items()}, ratio, base, curve, medians,
+                   time_ratio, run_level)
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def signed(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.3f}"
+
+
+def table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def ratio_cell(r: Ratio) -> str:
+    if r.value is None:
+        return r.note
+    if r.low is None:
+        return f"{r.value:.2f} ({r.note})"
+    return f"{r.value:.2f} [{r.low:.2f}, {r.high:.2f}]"
+
+
+def improvement_table(sm: Summary, arm_names: list[str]) -> str:
+    rows = []
+    for a in arm_names:
+        for s in SPLITS:
+            for m, label in METRICS:
+                iv = sm.interval[(a, s, m)]
+                ci = "–" if iv.low is None else f"[{signed(iv.low)}, {signed(iv.high)}]"
+                ratio = ratio_cell(sm.ratio[(a, s, m)]) if a != BASELINE else "1 (baseline)"
+                rows.append([a, s, label, fmt(sm.base[(s, m)]), signed(iv.mean), ci, iv.n, ratio])
+    return table(["arm", "split", "metric", "base", "improvement (mean)", "95% t-interval",
+                  "seeds", "ratio to flowgrpo [95% bootstrap]"], rows)
+
+
+def time_table(sm: Summary, arm_names: list[str]) -> str:
+    stages = (*ITERATION_STAGES, "iteration")
+    rows = [[a, *(f"{sm.stage_median[(a, st)]:.2f}" for st in stages),
+             *(f"{sm.run_level[(a, st)]:.2f}" for st in ("build_csgs", "calibrate_window",
+                                                         "evaluate")),
+             f"{sm.time_ratio[(a, 'iteration')]:.3f}"] for a in arm_names]
+    return table(["arm", *(f"{st} (s)" for st in stages), "CSGs, once (s)", "calibration, once (s)",
+                  "eval per checkpoint (s)", "iteration / flowgrpo"], rows)
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=90)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def plot_improvements(sm: Summary, arm_names: list[str]) -> bytes:
+    fig = _figure(10, 3.6)
+    for i, (m, label) in enumerate(METRICS):
+        ax = fig.add_subplot(1, len(METRICS), i + 1)
+        for j, a in enumerate(arm_names):
+            ivs = [sm.interval[(a, s, m)] for s in SPLITS]
+            x = np.arange(len(SPLITS)) + (j - (len(arm_names) - 1) / 2) * 0.8 / len(arm_names)
+            err = np.array([[0, 0] if v.low is None else [v.mean - v.low, v.high - v.mean]
+                            for v in ivs]).T
+            ax.bar(x, [v.mean for v in ivs], width=0.8 / len(arm_names), yerr=err, capsize=3,
+                   label=a, color=f"C{j}")
+        ax.axhline(0, color="black", linewidth=0.6)
+        ax.set_xticks(np.arange(len(SPLITS)), SPLITS)
+        ax.set_title(f"{label}: improvement over base (95% t-interval)", fontsize=9)
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def plot_curves(sm: Summary, arm_names: list[str], its: list[int]) -> bytes:
+    fig = _figure(10, 6.5)
+    for i, (m, label) in enumerate(METRICS):
+        for j, s in enumerate(SPLITS):
+            ax = fig.add_subplot(len(METRICS), len(SPLITS), i * len(SPLITS) + j + 1)
+            for c, a in enumerate(arm_names):
+                ivs = [sm.curve[(a, s, m, k)] for k in its]
+                ax.plot(its, [v.mean for v in ivs], "o-", color=f"C{c}", label=a)
+                if all(v.low is not None for v in ivs[1:]):
+                    ax.fill_between(its[1:], [v.low for v in ivs[1:]], [v.high for v in ivs[1:]],
+                                    color=f"C{c}", alpha=0.12)
+            ax.set_title(f"{s}: {label} (mean over seeds, 95% band)", fontsize=9)
+            ax.set_xlabel("iteration (-1 = base)", fontsize=8)
+            ax.set_xticks(its)
+            ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def plot_times(sm: Summary, arm_names: list[str]) -> bytes:
+    stages = (*ITERATION_STAGES, "iteration")
+    fig = _figure(10, 3.6)
+    ax = fig.add_subplot()
+    for j, a in enumerate(arm_names):
+        x = np.arange(len(stages)) + (j - (len(arm_names) - 1) / 2) * 0.8 / len(arm_names)
+        ax.bar(x, [sm.stage_median[(a, st)] for st in stages], width=0.8 / len(arm_names),
+               label=a, color=f"C{j}")
+    ax.set_xticks(np.arange(len(stages)), stages)
+    ax.set_ylabel("seconds (median over seeds x iterations)")
+    ax.set_title("wall time per stage and per iteration", fontsize=9)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def per_seed_table(sm: Summary, arm_names: list[str], seeds: list[int]) -> str:
+    rows = [[a, s, label, *(signed(v) for v in sm.improvement[(a, s, m)])]
+            for a in arm_names for s in SPLITS for m, label in METRICS]
+    return table(["arm", "split", "metric", *(f"seed {x}" for x in seeds)], rows)
+
+
+def curve_table(sm: Summary, arm_names: list[str], its: list[int]) -> str:
+    rows = [[a, s, label, *(fmt(sm.curve[(a, s, m, k)].mean) for k in its)]
+            for a in arm_names for s in SPLITS for m, label in METRICS]
+    return table(["arm", "split", "metric", *(f"it {k}" for k in its)], rows)
+
+
+def write_report(out: Path, sm: Summary, res: Results, setup: dict) -> Path:
+    """report.md with improvements.png, accuracy_by_iteration.png, stage_times.png."""
+    names, seeds = setup["arms"], setup["seeds"]
+    its = [-1, *setup["size"].eval_at()]
+    pngs = {"improvements.png": plot_improvements(sm, names),
+            "accuracy_by_iteration.png": plot_curves(sm, names, its),
+            "stage_times.png": plot_times(sm, names)}
+    windows = {a: sorted({res.windows[run_name(setup["prefix"], a, x)] for x in seeds})
+               for a in names}
+    size = setup["size"]
+    arm_rows = [[a.name, f"`{a.recipe}`", ", ".join(f"{k}={v}" for k, v in a.overrides.items())
+                 or "–", a.about, "; ".join(f"{m} [{s}, {e})" for m, s, e in windows[a.name]),
+                 setup["recipes"][a.name].train.clip_range] for a in setup["arm_defs"]]
+    r0, prefix = setup["recipes"][names[0]], setup["prefix"]
+    provenance = (
+        f"Generated by `{setup['command']}` from store `{setup['store']}` (runs "
+        f"`{prefix}-<arm>-s<seed>`, base `{prefix}-base`); every number below is read from "
+        f"that store's `evals`, `stages` and `windows` tables. This invocation took "
+        f"{setup['wall_s'] / 60:.1f} min ({setup['skipped']} stages skipped as already done).")
+    budget = (
+        f"Equal budget (checked): {size.iterations} iterations x {r0.prompts.per_iteration} "
+        f"prompts x {r0.prompts.group_size} samples, seeds {seeds} (run.seed; same train "
+        f"prompts and noise per seed across arms), {r0.sampling.num_steps} sampling steps, CFG "
+        f"{r0.sampling.guidance_scale}, LoRA {r0.train.lora_rank}/{r0.train.lora_alpha}, lr "
+        f"{r0.train.lr}. Eval: {size.eval_prompts} evenly spaced prompts per split x "
+        f"{size.images_per_prompt} images, {r0.eval.num_steps} steps, CFG "
+        f"{r0.eval.guidance_scale}, at iterations {list(size.eval_at())}; the base (-1) is one "
+        f"shared evaluation.")
+    statistics = (
+        "Mean over seeds of (last checkpoint - base); 95% Student t-interval over seeds (t with "
+        "n - 1 degrees of freedom; the eval prompts and noise are fixed, so it reflects training "
+        "seeds). Ratio: mean improvement of the arm / that of flowgrpo, 95% percentile interval "
+        "of a paired bootstrap over seeds (10000 draws; coarse with few seeds).")
+    timing = (
+        "Body seconds of each stage from the `stages` table (what train_steps.stage_seconds_json "
+        "is built from), medians over seeds x iterations; iteration = the four stages summed. "
+        "Other processes on the machine slow the arms unevenly: compare ratios, not seconds.")
+    ratios = ", ".join(f"{st} {sm.time_ratio[('cast', st)]:.3f}"
+                       for st in (*ITERATION_STAGES, "iteration"))
+    md = ["# CAST vs Flow-GRPO on the shapes world", "", provenance, "", "## Setup", "",
+          table(["arm", "recipe", "overrides", "what", "window (per seed)", "clip range"],
+                arm_rows), "", budget, "",
+          "## Improvement over the base model (last iteration)", "", statistics, "",
+          improvement_table(sm, names), "", "![improvements](improvements.png)", "",
+          "Per seed:", "", per_seed_table(sm, names, seeds), "",
+          "## Accuracy by iteration", "", "Mean over seeds (iteration -1 = base).", "",
+          curve_table(sm, names, its), "",
+          "![accuracy by iteration](accuracy_by_iteration.png)", "",
+          "## Wall time", "", timing, "", time_table(sm, names), "",
+          f"CAST / Flow-GRPO time ratio (of medians) per stage: {ratios}.", "",
+          "![stage times](stage_times.png)", "",
+          "## Query the store", "", "```sql", QUERY.format(prefix=prefix), "```", ""]
+    for name, data in pngs.items():
+        _atomic_write(out / name, data)
+    _atomic_write(out / "report.md", "\n".join(md).encode())
+    return out / "report.md"
+
+
+# ---- the command --------------------------------------------------------------------------
+
+
+def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, prefix: str,
+                  threads: int | None = None, command: str = "") -> dict:
+    """Train every arm x seed, evaluate, summarise from the store, write the report -> figures."""
+    from tasks.evaluate_checkpoint import eval_spec_hash, evaluate_checkpoint
+    from tasks.store import Store
+
+    start, store = time.perf_counter(), Store(store_dir)
+    arm_defs, seeds = arms(), list(range(size.seeds))
+    splits = eval_subsets(store, size)
+    recipes = {(a.name, x): recipe_for(a, x, size, splits, run_name(prefix, a.name, x), threads)
+               for a in arm_defs for x in seeds}
+    for x in seeds:
+        check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
+    if len({eval_spec_hash(r) for r in recipes.values()}) != 1:
+        raise ValueError("the arms' eval specs differ: one shared base evaluation would be wrong")
+    base = recipe_for(arm_defs[1], 0, size, splits, f"{prefix}-base", threads)
+    skipped = int(evaluate_checkpoint(store, base, -1).skipped)
+    for x in seeds:
+        for i in range(len(arm_defs)):
+            arm = arm_defs[(i + x) % len(arm_defs)]  # rotate the order per seed
+            skipped += train_run(store, recipes[(arm.name, x)], size)
+    names = [a.name for a in arm_defs]
+    runs = [f"{prefix}-base", *(run_name(prefix, a, x) for a in names for x in seeds)]
+    res = read_results(store, runs)
+    sm = summarise(res, names, seeds, prefix, size)
+    setup = {"arms": names, "arm_defs": arm_defs, "seeds": seeds, "size": size, "prefix": prefix,
+             "store": str(store.root), "command": command, "skipped": skipped,
+             "wall_s": time.perf_counter() - start,
+             "recipes": {a: recipes[(a, 0)] for a in names}}
+    path = write_report(Path(report_dir), sm, res, setup)
+    print(f"\n{improvement_table(sm, names)}\n\n{time_table(sm, names)}\n")
+    print(f"wall time {setup['wall_s']:.1f} s; report {path}")
+    return {"summary": sm, "report": path, "wall_s": setup["wall_s"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke-check size")
+    parser.add_argument("--store", default=None, help="store root (default runs/bench-methods, "
+                        "runs/bench-methods-quick/store with --quick)")
+    parser.add_argument("--report-dir", default=None, help="default reports/cast-vs-flowgrpo, "
+                        "runs/bench-methods-quick/report with --quick")
+    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (run.threads)")
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    size = replace(size, seeds=args.seeds or size.seeds,
+                   iterations=args.iterations or size.iterations)
+    quick = Path("runs/bench-methods-quick")
+    store = Path(args.store or (quick / "store" if args.quick else "runs/bench-methods"))
+    report = args.report_dir or (quick / "report" if args.quick else "reports/cast-vs-flowgrpo")
+    os.environ.setdefault("PREFECT_HOME", str(store.resolve() / ".prefect-home"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    command = "python benchmarks/bench_methods.py " + " ".join(sys.argv[1:] if argv is None
+                                                               else argv)
+    run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
+                  command.strip())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The CAST vs Flow-GRPO benchmark (benchmarks/bench_methods.py): its statistics against closed
+forms and known t quantiles, the equal-budget check, and (slow) the whole command at a tiny size."""
+
+import importlib.util
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_methods",
+                                                  REPO / "benchmarks" / "bench_methods.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+bm = _load()
+
+
+@pytest.mark.parametrize(("df", "expected"), [(1, 12.706204736), (2, 4.302652730),
+                                              (3, 3.182446305), (4, 2.776445105),
+                                              (9, 2.262157163), (30, 2.042272456)])
+def test_t_quantile_matches_tables(df, expected):
+    assert bm.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
+
+
+def test_t_quantile_df1_closed_form():
+    # Cauchy: the p-quantile is tan(pi (p - 1/2))
+    for p in (0.6, 0.9, 0.99):
+        assert bm.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), abs=1e-6)
+
+
+def test_t_interval_on_known_numbers():
+    values = [1.0, 2.0, 3.0, 4.0]
+    iv = bm.t_interval(values)
+    half = 3.182446305 * statistics.stdev(values) / 2  # t_{0.975, 3} * s / sqrt(4)
+    assert (iv.mean, iv.n) == (2.5, 4)
+    assert iv.low == pytest.approx(2.5 - half, abs=1e-6)
+    assert iv.high == pytest.approx(2.5 + half, abs=1e-6)
+    assert bm.t_interval([0.3]) == bm.Interval(0.3, None, None, 1)
+    constant = bm.t_interval([0.2, 0.2, 0.2])
+    assert constant.low == pytest.approx(0.2) and constant.high == pytest.approx(0.2)
+
+
+def test_ratio_bootstrap_is_deterministic_and_brackets_the_ratio():
+    num, den = [0.10, 0.04, 0.07, 0.12], [0.05, 0.03, 0.06, 0.02]
+    a, b = bm.ratio_bootstrap(num, den, seed=3), bm.ratio_bootstrap(num, den, seed=3)
+    assert a == b
+    assert a.value == pytest.approx(np.mean(num) / np.mean(den))
+    assert a.low < a.value < a.high and a.note == ""
+    other = bm.ratio_bootstrap(num, den, seed=4)  # another seed: the same interval, roughly
+    assert other.low == pytest.approx(a.low, rel=0.2) and other.high == pytest.approx(a.high,
+                                                                                      rel=0.2)
+    # bounds are resample ratios: within the extremes a resample can reach
+    per_seed = np.asarray(num) / np.asarray(den)
+    assert per_seed.min() <= a.low and a.high <= per_seed.max()
+
+
+def test_ratio_bootstrap_closed_forms_and_refusals():
+    same = bm.ratio_bootstrap([0.2, 0.4, 0.6], [0.1, 0.2, 0.3])  # every paired draw gives 2
+    assert (same.value, same.low, same.high) == pytest.approx((2.0, 2.0, 2.0))
+    worse = bm.ratio_bootstrap([0.1, 0.2], [-0.1, 0.05])
+    assert worse.value is None and "<= 0" in worse.note
+    one = bm.ratio_bootstrap([0.1], [0.05])
+    assert one.value == pytest.approx(2.0) and one.low is None and "one seed" in one.note
+    shaky = bm.ratio_bootstrap([0.1, 0.1, 0.1], [0.3, -0.2, -0.05])
+    assert shaky.value is not None and shaky.low is None and "unbounded" in shaky.note
+    with pytest.raises(ValueError, match="paired"):
+        bm.ratio_bootstrap([0.1, 0.2], [0.1])
+
+
+def test_eval_iterations_and_sizes():
+    assert bm.FULL.eval_at() == (3, 7)
+    assert bm.QUICK.eval_at() == (0, 1)
+    assert bm.Size(iterations=5, seeds=1, eval_prompts=1, images_per_prompt=1,
+                   eval_every=10).eval_at() == (4,)
+    with pytest.raises(ValueError, match=">= 1"):
+        bm.Size(iterations=0, seeds=1, eval_prompts=1, images_per_prompt=1, eval_every=1)
+
+
+def test_arms_are_at_equal_budget_and_differ_only_where_meant(tmp_path):
+    splits = {"eval": "data/prompts/eval.jsonl"}
+    recipes = {a.name: bm.recipe_for(a, 1, bm.QUICK, splits, f"t-{a.name}", 1)
+               for a in bm.arms()}
+    bm.check_equal_budget(list(recipes.values()))
+    assert (recipes["flowgrpo"].advantage.kind, recipes["flowgrpo"].window.mode) == (
+        "scalar", "fixed")
+    assert recipes["cast"].advantage.kind == "spatial"
+    assert recipes["cast"].window.mode == "calibrated"
+    assert recipes["cast-fixed-window"].window == recipes["flowgrpo"].window
+    assert recipes["cast-fixed-window"].advantage == recipes["cast"].advantage
+    assert recipes["cast-no-map"].advantage.kind == "atom"
+    assert recipes["cast-no-map"].window == recipes["cast"].window
+    assert {r.run.seed for r in recipes.values()} == {1}
+    assert recipes["cast"].prompts.per_iteration == bm.QUICK.per_iteration
+    other = bm.recipe_for(bm.arms()[1], 2, bm.QUICK, splits, "t-other", 1)
+    with pytest.raises(ValueError, match="seed"):
+        bm.check_equal_budget([recipes["cast"], other])
+
+
+@pytest.mark.slow
+def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    monkeypatch.chdir(REPO)
+    size = bm.Size(iterations=1, seeds=2, eval_prompts=2, images_per_prompt=2, eval_every=1,
+                   per_iteration=2, group_size=2, calibration_prompts=2)
+    out = bm.run_benchmark(size, tmp_path / "store", tmp_path / "report", "tiny", threads=1)
+    report = (tmp_path / "report" / "report.md").read_text()
+    for name in ("improvements.png", "accuracy_by_iteration.png", "stage_times.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 1000
+        assert f"]({name})" in report
+    for arm in ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map"):
+        assert f"| {arm} |" in report
+    from tasks.store import Store
+
+    con = Store(tmp_path / "store").connect_readonly()
+    try:
+        base, final = (con.execute(
+            "SELECT mean_score FROM evals WHERE run_id = $run AND iteration = $k AND "
+            "split = 'hard' AND group_kind = 'overall'", {"run": run, "k": k}).fetchone()[0]
+            for run, k in (("tiny-base", -1), ("tiny-cast-s1", 0)))
+        runs = {r[0] for r in con.execute("SELECT DISTINCT run_id FROM train_steps").fetchall()}
+    finally:
+        con.close()
+    sm = out["summary"]
+    assert sm.base[("hard", "mean_score")] == pytest.approx(base)
+    assert sm.improvement[("cast", "hard", "mean_score")][1] == pytest.approx(final - base)
+    assert runs == {f"tiny-{a}-s{x}" for a in ("flowgrpo", "cast", "cast-fixed-window",
+                                                "cast-no-map") for x in (0, 1)}
+    assert sm.time_ratio[("flowgrpo", "iteration")] == pytest.approx(1.0)
