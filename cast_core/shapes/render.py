@@ -77,10 +77,12 @@ def render(scene: tuple[Shape, ...], size: int = IMAGE_SIZE) -> Rendered:
 
 def _extent_range(total: int) -> tuple[int, int]:
     """Shape extents (inclusive range, px) by how many shapes share the 32-px canvas."""
-    if total <= 2:
-        return 8, 12
+    if total == 1:
+        return 11, 18
+    if total == 2:
+        return 9, 14
     if total <= 4:
-        return 7, 10
+        return 7, 11
     if total <= 6:
         return 6, 8
     return 5, 7
