@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -51,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import CLIPConfig, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+from cast_core.hub_snapshot import local_folder, snapshot_identity
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 PIL_BICUBIC = 3
@@ -144,16 +145,10 @@ class ClipCheckpoint:
 
 def resolve_checkpoint(path_or_hub_id: str | Path) -> ClipCheckpoint:
     """The folder holding the checkpoint (a hub id is fetched/found in the HF cache) + identity."""
-    path = Path(path_or_hub_id).expanduser()
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(str(path_or_hub_id), allow_patterns=list(IDENTITY_FILES)))
-    path = path.resolve()
-    repo = path.parent.parent.name
-    if (path.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", path.name)
-            and repo.startswith("models--")):
-        return ClipCheckpoint(path, f"{repo[len('models--'):].replace('--', '/')}@{path.name}")
+    path = local_folder(path_or_hub_id, IDENTITY_FILES)
+    identity = snapshot_identity(path)
+    if identity:
+        return ClipCheckpoint(path, identity)
     return ClipCheckpoint(path, f"sha256:{_content_hash(path)[:16]}")
 
 

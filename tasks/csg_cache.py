@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+from tasks.store import atomic_write_bytes
 
 
 class CsgCacheWarning(UserWarning):
@@ -61,19 +62,10 @@ class CsgCache:
 
     def put(self, prompt: str, model_id: str, template_version: str,
             answer: dict[str, Any]) -> Path:
-        """Write the entry atomically (temporary file in the same folder, then os.replace)."""
+        """Write the entry atomically (`tasks.store.atomic_write`: temp file beside it, fsync,
+        os.replace)."""
         path = self.path(prompt, model_id, template_version)
-        self.root.mkdir(parents=True, exist_ok=True)
         entry = {"prompt": prompt, "model_id": model_id, "template_version": template_version,
                  "answer": answer}
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{path.stem[:16]}-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(entry, f, ensure_ascii=False, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, json.dumps(entry, ensure_ascii=False, indent=1).encode("utf-8"))
         return path

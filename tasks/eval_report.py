@@ -25,7 +25,6 @@ import argparse
 import io
 import os
 import re
-import secrets
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 from prefect import task
 
 from tasks.report import store_root
-from tasks.store import Store
+from tasks.store import Store, atomic_write_bytes
 
 REPORT = "report.md"
 GROUP_KINDS = (("tag", "strict_accuracy", "strict"), ("atom_count", "strict_accuracy", "strict"),
@@ -112,19 +111,6 @@ def fmt(value: Any) -> str:
 def _table(columns: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows])
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _figure(width: float, height: float):
@@ -412,8 +398,8 @@ def write_report(store: Store, run: str, out: str | os.PathLike, prompts: int = 
     markdown, pngs = build_report(store, run, prompts)
     out = Path(out)
     for name, data in pngs.items():
-        _atomic_write(out / name, data)
-    _atomic_write(out / REPORT, markdown.encode())
+        atomic_write_bytes(out / name, data)
+    atomic_write_bytes(out / REPORT, markdown.encode())
     return ReportRef(str(out / REPORT), tuple(str(out / n) for n in pngs), _publish(markdown, run))
 
 

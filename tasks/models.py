@@ -14,10 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +23,7 @@ import torch
 
 from cast_core.csg import SceneGraph
 from cast_core.csg_parser import graph_from_geneval
+from cast_core.hub_snapshot import local_folder, snapshot_identity
 from cast_core.policy import add_lora
 from tasks.recipe import Recipe
 from tasks.stage import derive_seed, tree_hash
@@ -70,16 +69,10 @@ def model_identity(path_or_hub_id: str) -> str:
     Hugging Face cache snapshot (a hub id is resolved to its snapshot first, downloading it as
     `from_pretrained` would), else the sha256 of every file (memoised per process on the files'
     names, sizes and mtimes, since real checkpoints are tens of GB)."""
-    path = Path(path_or_hub_id).expanduser()
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(str(path_or_hub_id)))
-    path = path.resolve()
-    repo = path.parent.parent.name
-    if (path.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", path.name)
-            and repo.startswith("models--")):
-        return f"{repo[len('models--'):].replace('--', '/')}@{path.name}"
+    path = local_folder(path_or_hub_id)
+    identity = snapshot_identity(path)
+    if identity:
+        return identity
     files = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
                   for p in sorted(path.rglob("*")) if p.is_file())
     return _tree_hash_memo(str(path), files)

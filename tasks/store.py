@@ -108,7 +108,7 @@ class Store:
         arrow = conform(table, data)
         schema = table_spec(table).schema
         final = self.root / "tables" / table / f"{part}.parquet"
-        digest = _atomic_write(final, lambda tmp: _write_parquet(tmp, arrow, schema))
+        digest = atomic_write(final, lambda tmp: _write_parquet(tmp, arrow, schema))
         return TableRef(self._relative(final), digest, arrow.num_rows)
 
     def read_table(self, table: str, filters: Filters = None) -> pa.Table:
@@ -128,7 +128,7 @@ class Store:
         digest = hashlib.sha256(data).hexdigest()
         final = self.root / "blobs" / digest[:2] / f"{digest}.{ext}"
         if not final.exists():
-            _atomic_write(final, lambda tmp: Path(tmp).write_bytes(data))
+            atomic_write_bytes(final, data)
         return BlobRef(self._relative(final), digest)
 
     def put_tensors(self, tensors: Mapping[str, Any],
@@ -259,7 +259,12 @@ def _write_parquet(path: str, table: pa.Table, schema: pa.Schema) -> None:
         writer.write_table(table)
 
 
-def _atomic_write(final: Path, write: Callable[[str], None]) -> str:
+def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> str:
+    """Write `data` to `final` atomically (see `atomic_write`); -> sha256 of the bytes."""
+    return atomic_write(Path(final), lambda tmp: Path(tmp).write_bytes(data))
+
+
+def atomic_write(final: Path, write: Callable[[str], None]) -> str:
     """Write via `write(tmp_path)` into a temp file beside `final`, fsync, rename; -> sha256."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = str(final.parent / f".{final.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
