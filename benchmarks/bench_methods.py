@@ -1,7 +1,7 @@
 """Benchmark: CAST against Flow-GRPO on the shapes world, at equal budget, with two ablations.
 
-    .venv/bin/python benchmarks/bench_methods.py [--quick] [--store DIR] [--report-dir DIR]
-        [--seeds N] [--iterations N] [--threads N]
+    .venv/bin/python benchmarks/bench_methods.py [--quick] [--suite all|methods] [--store DIR]
+        [--report-dir DIR] [--seeds N] [--iterations N] [--threads N]
 
 Run it from the repository root. Arms (every one from the committed base model):
 - flowgrpo: data/recipes/shapes-flowgrpo.toml (scalar reward = mean atom score, group z-score;
@@ -11,6 +11,11 @@ Run it from the repository root. Arms (every one from the committed base model):
 - cast-fixed-window: cast with the flowgrpo recipe's `[window]` section;
 - cast-no-map: cast with `advantage.kind = "atom"`: the same gated atom z-scores, but each
   sample's map is the constant mean of them (atom-level credit, no pixel projection).
+With `--suite all` (the default), the ReCAST comparison (issue 7; rewards = atom types) adds:
+- recast-equal: cast with `recast.weighting = "recast"` at equal budgets (its static counterpart
+  is cast itself: static weights at equal budgets are 1, CAST's map);
+- static-skewed / recast-skewed: static and ReCAST weighting at budgets `SKEWED` (count and
+  relation, the base's weakest atom types, count double).
 Equal budget: every arm runs the same iterations with the same seed list (`run.seed` = s), so it
 draws the same train prompts at each iteration and starts each iteration's rollouts from the same
 noise seeds; prompts, group size, sampler, LoRA and optimizer settings are equal (checked, see
@@ -45,17 +50,19 @@ stage_seconds_json is made from, which lacks train_epoch itself); iteration = ro
 score_atoms + compute_advantages + train_epoch; medians over seeds x iterations; ratio = median
 CAST / median Flow-GRPO.
 
-Full-mode size (the default): 4 arms x 4 seeds x 8 iterations of the default recipes (16 prompts x
-8 samples), evaluated at iterations 3 and 7 on 64 prompts per split x 2 images (256 images per
+Full-mode size (the default): 7 arms x 3 seeds x 6 iterations of the default recipes (16 prompts x
+8 samples), evaluated at the last iteration on 64 prompts per split x 2 images (256 images per
 checkpoint). Arithmetic on this 2-core machine:
-  training   4 x 4 x 8 = 128 iterations x ~28 s (measured per default iteration)   = 3584 s
-  evaluation (4 x 4 x 2 + 1 base) = 33 checkpoints x 256 images x 0.118 s/image   =  997 s
+  training   7 x 3 x 6 = 126 iterations x ~28 s (measured per default iteration)   = 3528 s
+  ReCAST     3 arms x 3 x 6 = 54 gain estimates x ~8 s (16 x 2 samples a side)     =  432 s
+  evaluation (7 x 3 + 1 base) = 22 checkpoints x 256 images x 0.118 s/image        =  665 s
              (0.118 s/image: base eval, 828 images in 98 s, README)
-  run level  16 runs x ~6 s (CSGs 1.9 s + calibration on 16 prompts 4.0 s, 1 thread) =   96 s
-  total ~4680 s = 78 min, leaving ~12 min of the 90 for load from other processes.
+  run level  21 runs x ~6 s (CSGs 1.9 s + calibration on 16 prompts 4.0 s, 1 thread) =  126 s
+  total ~4750 s = 79 min, leaving ~11 min of the 90 for load from other processes. `--suite
+methods` runs the first four arms only (`--seeds 4 --iterations 8` then fit about the same time).
 --quick: 2 seeds x 2 iterations, 4 prompts x 4 samples, 6 eval prompts per split x 2 images at
 every iteration, the recipes' calibration (16 prompts; with fewer it can land on Flow-GRPO's
-window, which makes cast and cast-fixed-window the same run): a smoke check of ~3 minutes.
+window, which makes cast and cast-fixed-window the same run): a smoke check of ~5 minutes.
 """
 
 from __future__ import annotations
@@ -64,7 +71,6 @@ import argparse
 import io
 import math
 import os
-import secrets
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -81,6 +87,12 @@ ITERATION_STAGES = ("rollout", "score_atoms", "compute_advantages", "train_epoch
 SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling", "eval")
 SAME_TRAIN = ("lr", "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "micro_batch",
               "max_grad_norm", "weight_decay")
+SUITES = ("methods", "all")
+# Issue 7's second budget: the two weakest atom types of the base (count, relation) count double.
+SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
+# ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
+RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
+ATOM_TYPES = ("object", "count", "attribute", "relation")
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,7 @@ class Size:
         return tuple(sorted({*every, self.iterations - 1}))
 
 
-FULL = Size(iterations=8, seeds=4, eval_prompts=64, images_per_prompt=2, eval_every=4)
+FULL = Size(iterations=6, seeds=3, eval_prompts=64, images_per_prompt=2, eval_every=6)
 QUICK = Size(iterations=2, seeds=2, eval_prompts=6, images_per_prompt=2, eval_every=1,
              per_iteration=4, group_size=4)
 
@@ -207,17 +219,36 @@ def ratio_bootstrap(numerator: list[float], denominator: list[float], draws: int
 # ---- recipes and runs ---------------------------------------------------------------------
 
 
-def arms() -> tuple[Arm, ...]:
-    """The four arms; cast-fixed-window takes the flowgrpo recipe's window section."""
+def arms(suite: str = "all") -> tuple[Arm, ...]:
+    """The method arms, plus with suite "all" the ReCAST arms; cast-fixed-window takes the
+    flowgrpo recipe's window section."""
     from tasks.recipe import load_recipe
 
+    if suite not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}; got {suite!r}")
     w = load_recipe(FLOWGRPO_RECIPE).window
     fixed = {"window.mode": w.mode, "window.start": w.start, "window.size": w.size}
-    return (Arm("flowgrpo", FLOWGRPO_RECIPE, {}, "scalar reward, hand-set window"),
-            Arm("cast", CAST_RECIPE, {}, "atom maps, calibrated window"),
-            Arm("cast-fixed-window", CAST_RECIPE, fixed, "atom maps, Flow-GRPO's window"),
-            Arm("cast-no-map", CAST_RECIPE, {"advantage.kind": "atom"},
-                "atom advantages, constant map, calibrated window"))
+    methods = (Arm("flowgrpo", FLOWGRPO_RECIPE, {}, "scalar reward, hand-set window"),
+               Arm("cast", CAST_RECIPE, {}, "atom maps, calibrated window (= static weighting "
+                   "at equal budgets)"),
+               Arm("cast-fixed-window", CAST_RECIPE, fixed, "atom maps, Flow-GRPO's window"),
+               Arm("cast-no-map", CAST_RECIPE, {"advantage.kind": "atom"},
+                   "atom advantages, constant map, calibrated window"))
+    if suite == "methods":
+        return methods
+    return (*methods,
+            Arm("recast-equal", CAST_RECIPE, {"recast.weighting": "recast"},
+                "cast + ReCAST step weights, equal budgets"),
+            Arm("static-skewed", CAST_RECIPE, {"recast.weighting": "static",
+                                               "recast.budgets": SKEWED},
+                "cast + static type weights, budgets " + _budgets_text(SKEWED)),
+            Arm("recast-skewed", CAST_RECIPE, {"recast.weighting": "recast",
+                                               "recast.budgets": SKEWED},
+                "cast + ReCAST step weights, budgets " + _budgets_text(SKEWED)))
+
+
+def _budgets_text(budgets: dict[str, float]) -> str:
+    return "/".join(f"{k} {v:g}" for k, v in budgets.items())
 
 
 def run_name(prefix: str, arm: str, seed: int) -> str:
@@ -274,6 +305,7 @@ def train_run(store, recipe, size: Size) -> int:
     from tasks.calibrate_window import calibrate_window
     from tasks.compute_advantages import compute_advantages
     from tasks.evaluate_checkpoint import evaluate_checkpoint
+    from tasks.recast_gains import gains_for_training
     from tasks.rollout_groups import rollout_groups
     from tasks.score_atoms import score_atoms
     from tasks.train_epoch import train_epoch
@@ -284,8 +316,13 @@ def train_run(store, recipe, size: Size) -> int:
         ro = rollout_groups(store, recipe, csgs, window, k)
         sc = score_atoms(store, recipe, csgs, ro, k)
         ad = compute_advantages(store, recipe, ro, sc, k)
-        refs += [ro, sc, ad, train_epoch(store, recipe, csgs, ro, sc, ad, k)]
+        gains = (gains_for_training(store, recipe, k) if recipe.recast.weighting == "recast"
+                 else None)
+        refs += [ro, sc, ad, train_epoch(store, recipe, csgs, ro, sc, ad, k, gains)]
         line = f"{recipe.run.name} iteration {k}: {sum(r.seconds for r in refs[-4:]):.1f} s"
+        if gains is not None:
+            refs.append(gains)
+            line += f" + ReCAST gains {gains.seconds:.1f} s"
         if k in size.eval_at():
             refs.append(evaluate_checkpoint(store, recipe, k))
             line += f", eval {refs[-1].seconds:.1f} s"
@@ -315,17 +352,36 @@ FROM evals WHERE group_kind = 'overall' AND starts_with(run_id, '{prefix}-')
 ORDER BY ALL;"""
 
 
+TRAIN_SQL = """
+SELECT run_id, iteration, avg(reward_object) AS object, avg(reward_count) AS count,
+       avg(reward_attribute) AS attribute, avg(reward_relation) AS relation,
+       any_value(reward_step_weights_json) AS weights
+FROM train_steps WHERE list_contains($runs, run_id) GROUP BY ALL"""
+TYPE_EVALS_SQL = """
+SELECT run_id, iteration, split, group_name AS atom_type, mean_score
+FROM evals WHERE group_kind = 'atom_type' AND list_contains($runs, run_id)"""
+GAINS_SQL = """
+SELECT run_id, iteration, any_value(plot_path) AS plot_path
+FROM recast_gains WHERE list_contains($runs, run_id) GROUP BY ALL"""
+
+
 @dataclass(frozen=True)
 class Results:
     """What the report needs, read from the store: evals {(run, iteration, split): row}, stage
-    seconds {(run, iteration, stage): s}, windows {run: (method, start, end)}."""
+    seconds {(run, iteration, stage): s}, windows {run: (method, start, end)}; for the ReCAST
+    section: train rewards {(run, iteration): {atom type: mean rollout score, "weights": JSON}},
+    type evals {(run, iteration, split, atom type): mean score}, gain plots {(run, iteration):
+    store path of the PNG} (empty without ReCAST runs)."""
 
     evals: dict
     seconds: dict
     windows: dict
+    train: dict
+    type_evals: dict
+    gain_plots: dict
 
 
-def read_results(store, runs: list[str]) -> Results:
+def read_results(store, runs: list[str], with_gains: bool = False) -> Results:
     store.refresh_catalog()
     con = store.connect_readonly()
     try:
@@ -339,9 +395,14 @@ def read_results(store, runs: list[str]) -> Results:
                    for r in rows(STAGES_SQL)}
         windows = {r["run_id"]: (r["method"], r["window_start"], r["window_end"])
                    for r in rows(WINDOWS_SQL)}
+        train = {(r["run_id"], r["iteration"]): r for r in rows(TRAIN_SQL)}
+        types = {(r["run_id"], r["iteration"], r["split"], r["atom_type"]): float(r["mean_score"])
+                 for r in rows(TYPE_EVALS_SQL)}
+        plots = ({(r["run_id"], r["iteration"]): r["plot_path"] for r in rows(GAINS_SQL)}
+                 if with_gains else {})
     finally:
         con.close()
-    return Results(evals, seconds, windows)
+    return Results(evals, seconds, windows, train, types, plots)
 
 
 @dataclass(frozen=True)
@@ -394,6 +455,63 @@ def summarise(res: Results, arm_names: list[str], seeds: list[int], prefix: str,
                                                    ("evaluate", size.eval_at()))}
     return Summary(imp, {k: t_interval(v) for k, v in imp.items()}, ratio, base, curve, medians,
                    time_ratio, run_level)
+
+
+@dataclass(frozen=True)
+class RecastSummary:
+    """The ReCAST comparison (arms of the recast suite, `RECAST_PAIRS`): train[(arm, type)] =
+    Interval (None when no prompt had the type) over seeds of the change of the rollouts' mean score of that type from iteration 0
+    to the last; held_out[(arm, type)] = Interval of the eval split's per-type mean-score
+    improvement over base; paired[(recast arm, split, metric)] = Interval of the per-seed
+    difference ReCAST - static improvement; weights[arm] = {type: mean over seeds of the last
+    iteration's step weights}; gain_plots[(arm, iteration)] = store path (seed 0, the first and
+    the last estimate)."""
+
+    arms: tuple[str, ...]
+    train: dict
+    held_out: dict
+    paired: dict
+    weights: dict
+    gain_plots: dict
+
+
+def summarise_recast(res: Results, sm: Summary, seeds: list[int], prefix: str,
+                     size: Size) -> RecastSummary:
+    import json
+
+    last = size.iterations - 1
+    names = tuple(dict.fromkeys(a for pair in RECAST_PAIRS for a in pair))
+    def change(new: float | None, old: float | None) -> float | None:
+        return None if new is None or old is None else new - old
+
+    def interval(values: list[float | None]) -> Interval | None:
+        kept = [v for v in values if v is not None]
+        return t_interval(kept) if kept else None
+
+    train, held = {}, {}
+    for a in names:
+        for t in ATOM_TYPES:
+            runs = [run_name(prefix, a, x) for x in seeds]
+            train[(a, t)] = interval([change(res.train[(r, last)][t], res.train[(r, 0)][t])
+                                      for r in runs])
+            base = res.type_evals.get((f"{prefix}-base", -1, "eval", t))
+            held[(a, t)] = interval([change(res.type_evals.get((r, last, "eval", t)), base)
+                                     for r in runs])
+    paired = {(r, s, m): t_interval([x - y for x, y in zip(sm.improvement[(r, s, m)],
+                                                           sm.improvement[(st, s, m)])])
+              for r, st in RECAST_PAIRS for s in SPLITS for m, _ in METRICS}
+    weights = {}
+    for a in names:
+        found = [json.loads(w) for x in seeds
+                 if (w := res.train[(run_name(prefix, a, x), last)]["weights"])]
+        weights[a] = ({t: np.mean([f[t] for f in found], axis=0).tolist() for t in ATOM_TYPES}
+                      if found else None)
+    plots = {}
+    for a, _ in RECAST_PAIRS:  # seed 0's first and last estimate
+        found = {k: path for (run, k), path in res.gain_plots.items()
+                 if run == run_name(prefix, a, seeds[0])}
+        plots |= {(a, k): found[k] for k in {min(found), max(found)}} if found else {}
+    return RecastSummary(names, train, held, paired, weights, plots)
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -510,16 +628,6 @@ def plot_times(sm: Summary, arm_names: list[str]) -> bytes:
     return _png(fig)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def per_seed_table(sm: Summary, arm_names: list[str], seeds: list[int]) -> str:
     rows = [[a, s, label, *(signed(v) for v in sm.improvement[(a, s, m)])]
             for a in arm_names for s in SPLITS for m, label in METRICS]
@@ -532,8 +640,57 @@ def curve_table(sm: Summary, arm_names: list[str], its: list[int]) -> str:
     return table(["arm", "split", "metric", *(f"it {k}" for k in its)], rows)
 
 
-def write_report(out: Path, sm: Summary, res: Results, setup: dict) -> Path:
-    """report.md with improvements.png, accuracy_by_iteration.png, stage_times.png."""
+def _interval_cell(iv: Interval | None) -> str:
+    if iv is None:
+        return "– (no such atoms)"
+    ci = "" if iv.low is None else f" [{signed(iv.low)}, {signed(iv.high)}]"
+    return signed(iv.mean) + ci
+
+
+def recast_section(rs: RecastSummary, store, out: Path, recast) -> list[str]:
+    """Markdown lines of the ReCAST comparison (`recast`: the ReCAST arms' recipe section);
+    copies the gain plots (seed 0) next to it."""
+    from tasks.store import atomic_write_bytes
+
+    train = table(["arm", *ATOM_TYPES],
+                  [[a, *(_interval_cell(rs.train[(a, t)]) for t in ATOM_TYPES)] for a in rs.arms])
+    held = table(["arm", *ATOM_TYPES],
+                 [[a, *(_interval_cell(rs.held_out[(a, t)]) for t in ATOM_TYPES)]
+                  for a in rs.arms])
+    paired = table(["ReCAST arm", "static arm", "split", "metric",
+                    "ReCAST - static (mean [95% t-interval])"],
+                   [[r, st, s, label, _interval_cell(rs.paired[(r, s, m)])]
+                    for r, st in RECAST_PAIRS for s in SPLITS for m, label in METRICS])
+    weights = table(["arm", "atom type", "weight per window step (mean over seeds)"],
+                    [[a, t, ", ".join(f"{x:.2f}" for x in w[t])]
+                     for a in rs.arms if (w := rs.weights[a]) for t in ATOM_TYPES])
+    intro = (
+        "Rewards are the atom types. `cast` is also the static arm at equal budgets (static "
+        "weights lambda_k / mean(lambda) = 1 give CAST's map exactly; tested). ReCAST weights "
+        "each type's share of the map at window step t by K W[k, t] / mean(lambda), W "
+        f"re-estimated every {recast.every} iteration(s) on {recast.prompts} prompts x "
+        f"{recast.samples_per_prompt} samples of the current policy against exact renders "
+        f"(Renyi alpha {recast.alpha}, tau {recast.tau}).")
+    train_text = ("Change of the rollouts' mean atom score per type from iteration 0 to the "
+                  "last (training reward; mean over seeds [95% t-interval]):")
+    lines = ["## ReCAST: per-reward step weights against static budgets", "", intro, "",
+             train_text, "", train, "",
+             "Held-out: improvement over base of the eval split's mean score per atom type:", "",
+             held, "", "Paired by seed, ReCAST minus static at the same budgets:", "", paired,
+             "", "Weights the loss used at the last iteration:", "", weights, ""]
+    for (arm, k), path in sorted(rs.gain_plots.items()):
+        name = f"gains-{arm}-it{k}.png"
+        atomic_write_bytes(out / name, store.resolve(path).read_bytes())
+        lines += [f"![{arm} gains and W at iteration {k} (seed 0)]({name})", ""]
+    return lines
+
+
+def write_report(out: Path, sm: Summary, res: Results, setup: dict,
+                 recast: list[str] | None = None) -> Path:
+    """report.md with improvements.png, accuracy_by_iteration.png, stage_times.png, and the
+    ReCAST section's `recast` lines when given."""
+    from tasks.store import atomic_write_bytes
+
     names, seeds = setup["arms"], setup["seeds"]
     its = [-1, *setup["size"].eval_at()]
     pngs = {"improvements.png": plot_improvements(sm, names),
@@ -582,11 +739,11 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict) -> Path:
           "![accuracy by iteration](accuracy_by_iteration.png)", "",
           "## Wall time", "", timing, "", time_table(sm, names), "",
           f"CAST / Flow-GRPO time ratio (of medians) per stage: {ratios}.", "",
-          "![stage times](stage_times.png)", "",
+          "![stage times](stage_times.png)", "", *(recast or []),
           "## Query the store", "", "```sql", QUERY.format(prefix=prefix), "```", ""]
     for name, data in pngs.items():
-        _atomic_write(out / name, data)
-    _atomic_write(out / "report.md", "\n".join(md).encode())
+        atomic_write_bytes(out / name, data)
+    atomic_write_bytes(out / "report.md", "\n".join(md).encode())
     return out / "report.md"
 
 
@@ -594,13 +751,13 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict) -> Path:
 
 
 def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, prefix: str,
-                  threads: int | None = None, command: str = "") -> dict:
+                  threads: int | None = None, command: str = "", suite: str = "all") -> dict:
     """Train every arm x seed, evaluate, summarise from the store, write the report -> figures."""
     from tasks.evaluate_checkpoint import eval_spec_hash, evaluate_checkpoint
     from tasks.store import Store
 
     start, store = time.perf_counter(), Store(store_dir)
-    arm_defs, seeds = arms(), list(range(size.seeds))
+    arm_defs, seeds = arms(suite), list(range(size.seeds))
     splits = eval_subsets(store, size)
     recipes = {(a.name, x): recipe_for(a, x, size, splits, run_name(prefix, a.name, x), threads)
                for a in arm_defs for x in seeds}
@@ -616,16 +773,21 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
             skipped += train_run(store, recipes[(arm.name, x)], size)
     names = [a.name for a in arm_defs]
     runs = [f"{prefix}-base", *(run_name(prefix, a, x) for a in names for x in seeds)]
-    res = read_results(store, runs)
+    res = read_results(store, runs, with_gains=suite == "all")
     sm = summarise(res, names, seeds, prefix, size)
+    rs = summarise_recast(res, sm, seeds, prefix, size) if suite == "all" else None
     setup = {"arms": names, "arm_defs": arm_defs, "seeds": seeds, "size": size, "prefix": prefix,
              "store": str(store.root), "command": command, "skipped": skipped,
              "wall_s": time.perf_counter() - start,
              "recipes": {a: recipes[(a, 0)] for a in names}}
-    path = write_report(Path(report_dir), sm, res, setup)
+    recast = (recast_section(rs, store, Path(report_dir), recipes[("recast-equal", 0)].recast)
+              if rs is not None else None)
+    path = write_report(Path(report_dir), sm, res, setup, recast)
     print(f"\n{improvement_table(sm, names)}\n\n{time_table(sm, names)}\n")
+    if recast:
+        print("\n".join(recast))
     print(f"wall time {setup['wall_s']:.1f} s; report {path}")
-    return {"summary": sm, "report": path, "wall_s": setup["wall_s"]}
+    return {"summary": sm, "recast": rs, "report": path, "wall_s": setup["wall_s"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -638,6 +800,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (run.threads)")
+    parser.add_argument("--suite", choices=SUITES, default="all",
+                        help="methods: the four method arms; all: also the ReCAST arms")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
     size = replace(size, seeds=args.seeds or size.seeds,
@@ -645,13 +809,14 @@ def main(argv: list[str] | None = None) -> None:
     quick = Path("runs/bench-methods-quick")
     store = Path(args.store or (quick / "store" if args.quick else "runs/bench-methods"))
     report = args.report_dir or (quick / "report" if args.quick else "reports/cast-vs-flowgrpo")
+    (store / ".prefect-home").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(store.resolve() / ".prefect-home"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     command = "python benchmarks/bench_methods.py " + " ".join(sys.argv[1:] if argv is None
                                                                else argv)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
-                  command.strip())
+                  command.strip(), args.suite)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ Group maps (e.g. one per atom type, for ReCAST's per-reward step weights): with 
 one group T, group T's share of M before the clamp is
     M_T(u) = (1/|A_valid|) sum_{a in T} A_a [H~_a(u) + global_weight * (1 - coverage(u))],
 coverage over all atoms; so sum_T M_T(u) = M(u) before the clamp, i.e. clamp(sum_T M_T) = M.
-Group maps are not clamped (a weighted sum of them should be clamped by its user).
+Group maps are not clamped; `step_weighted_maps` weights them per window step and clamps the sum
+(ReCAST: group = atom type, weight = the reward's weight at that step).
 
 No-map credit (the "atom" ablation: atom-level credit without pixel projection): one constant per
 sample, c = clamp(A_bar, -clip, clip), A_bar = mean_a A_a over valid atoms (0 without any). It is
@@ -259,6 +260,21 @@ def grouped_advantage_maps(
                          f"values {sorted(set(g[atom_mask].tolist()))}")
     onehot = F.one_hot(g, num_groups) * atom_mask[:, :, None]  # [N, A, T]
     return _grouped_maps(advantages, heatmaps, atom_mask, onehot, global_weight)[0]
+
+
+def step_weighted_maps(group_maps: Tensor, weights: Tensor, clip: float) -> Tensor:
+    """Per-step maps from group maps: group_maps [N, T, h, w] (the unclamped shares of
+    `grouped_advantage_maps`, possibly pooled), weights [T, K] ->
+        M_k(u) = clamp(sum_T weights[T, k] M_T(u), -clip, clip)      [N, K, h, w].
+    With every weight 1 it is the clamp of the summed shares, i.e. the CAST map (module
+    docstring); ReCAST passes its per-reward, per-step weights here."""
+    if group_maps.dim() != 4 or weights.dim() != 2 or weights.shape[0] != group_maps.shape[1]:
+        raise ValueError(f"need group_maps [N, T, h, w] and weights [T, K] with the same T; got "
+                         f"{tuple(group_maps.shape)} and {tuple(weights.shape)}")
+    if not torch.isfinite(weights).all():
+        raise ValueError(f"weights must be finite; got {weights.tolist()}")
+    w = weights.to(group_maps)
+    return torch.einsum("nthw,tk->nkhw", group_maps, w).clamp(-clip, clip)  # [N, K, h, w]
 
 
 def atom_mean_credit(advantages: Tensor, atom_mask: Tensor, clip: float) -> Tensor:

@@ -152,12 +152,17 @@ class UpdateStep:
 
 
 def _check_advantages(advantages: Tensor, rollout: Rollout, kind: AdvantageKind) -> None:
-    n, _, h, w = rollout.log_probs.shape
-    want = (n, h, w) if kind == "spatial" else (n,)
-    if tuple(advantages.shape) != want:
-        hint = "pool the pixel map onto the latent grid" if kind == "spatial" else "one per sample"
+    n, k, h, w = rollout.log_probs.shape
+    wants = [(n, h, w), (n, k, h, w)] if kind == "spatial" else [(n,)]
+    if tuple(advantages.shape) not in wants:
+        hint = (
+            "pool the pixel map onto the latent grid (one map a sample, or one per window step)"
+            if kind == "spatial"
+            else "one per sample"
+        )
         raise ValueError(
-            f"{kind} advantages must have shape {want}; got {tuple(advantages.shape)}; {hint}"
+            f"{kind} advantages must have shape {' or '.join(map(str, wants))}; got "
+            f"{tuple(advantages.shape)}; {hint}"
         )
 
 
@@ -177,16 +182,18 @@ def _micro_batch_backward(
     spec: RolloutSpec,
     config: PolicyConfig,
 ) -> tuple[PolicyLoss, Tensor | None]:
-    """Backprop the loss of n samples step by step (steps: n samples, K steps; adv [n, h, w] or
-    [n]). Returns the PolicyLoss of the detached all-steps log-probs and the mean KL (or None)."""
+    """Backprop the loss of n samples step by step (steps: n samples, K steps; adv [n, h, w],
+    [n, K, h, w] (one map per window step) or [n]). Returns the PolicyLoss of the detached
+    all-steps log-probs and the mean KL (or None)."""
     cond, uncond = encode_conditioning(backbone, prompts, spec.guidance_scale)
     num_k = steps.t.shape[0]
     new, kls = [], []
     for k in range(num_k):
         step = steps.select(steps=[k])
         replay = replay_steps(backbone, cond, uncond, step, spec)  # log_probs [n, 1, h, w]
+        step_adv = adv[:, k : k + 1] if adv.dim() == 4 else adv  # this step's map
         total = _objective(
-            config.advantage, replay.log_probs, step.log_probs, adv, config.clip_range
+            config.advantage, replay.log_probs, step.log_probs, step_adv, config.clip_range
         ).loss
         if config.kl_beta > 0:
             with torch.no_grad(), reference_mode(backbone):
@@ -260,8 +267,8 @@ def policy_update(
 ) -> list[UpdateStep]:
     """Inner epochs x micro-batches of clipped-objective steps on the rollout's window steps.
 
-    prompts: N; rollout: N samples, K steps; advantages: [N, h, w] (spatial, on the log-prob grid)
-    or [N] (scalar). Returns one UpdateStep per micro-batch, in order; `on_step` (e.g. a progress
+    prompts: N; rollout: N samples, K steps; advantages: [N, h, w] (spatial, on the log-prob grid),
+    [N, K, h, w] (spatial, one map per window step: ReCAST's step weights) or [N] (scalar). Returns one UpdateStep per micro-batch, in order; `on_step` (e.g. a progress
     bar) is called with each one as it is made.
     """
     n = rollout.latents.shape[0]

@@ -24,6 +24,12 @@ rewards k, S schedule steps t_0 = 1 > ... > t_{S-1} (the backbone's `sigmas(S)` 
    exp(g~ / tau) with rows = budgets lambda_k and columns sum(lambda) / S.
    `restrict_to_window` keeps the window's gains, re-normalises them and re-runs Sinkhorn over
    the window's K steps (columns sum(lambda) / K), which is what the trainer weights.
+4. Training weights (`training_weights`): the loss weights reward k's advantage at window step t
+   by K W[k, t] / mean(lambda) (K the window's steps, W over the window). Budgets are relative:
+   dividing by mean(lambda) makes equal budgets at a uniform kernel (W[k, t] = lambda_k / K) give
+   weight 1 everywhere, i.e. exactly CAST's unweighted map. The static baseline at the same budgets
+   (`static_weights`) is lambda_k / mean(lambda) at every step; a uniform kernel gives exactly it.
+   Atom types that are not rewards get weight 0.
 
 Why alpha = 0.5 by default: D_0.5 is symmetric in its two arguments and equals
 -2 ln BC(P, Q), BC the Bhattacharyya coefficient, so it bounds the Bayes error of telling a
@@ -243,6 +249,42 @@ def restrict_to_window(result: RecastGains, start: int, end: int) -> RecastGains
     return RecastGains(result.rewards, result.sigmas[start:end],
                        result.divergence[:, start:end], gains, normalised, W, result.n_positive,
                        result.n_policy, result.budgets, result.alpha, result.tau)
+
+
+def _budget_scale(budgets: Tensor) -> Tensor:
+    if budgets.dim() != 1 or budgets.numel() == 0 or not bool((budgets > 0).all()):
+        raise ValueError(f"budgets must be a non-empty vector of values > 0; got {budgets.tolist()}")
+    return budgets.double().mean()
+
+
+def _by_type(rewards: tuple[str, ...], rows: Tensor, types: tuple[str, ...]) -> Tensor:
+    """rows [R, K] in `rewards` order -> [len(types), K] in `types` order, 0 for non-rewards."""
+    unknown = sorted(set(rewards) - set(types))
+    if unknown:
+        raise ValueError(f"rewards {unknown} are not among the types {types}")
+    out = torch.zeros(len(types), rows.shape[1], dtype=torch.float64)
+    for k, name in enumerate(rewards):
+        out[types.index(name)] = rows[k]
+    return out
+
+
+def training_weights(result: RecastGains, types: tuple[str, ...] = ATOM_TYPES) -> Tensor:
+    """[len(types), K] float64: K W[k, t] / mean(budgets) per type (0 for a type that is not a
+    reward), K = the steps of `result` (pass `restrict_to_window`'s result). Module docstring."""
+    num_steps = result.W.shape[1]
+    rows = num_steps * result.W.double() / _budget_scale(result.budgets)  # [R, K]
+    return _by_type(result.rewards, rows, types)
+
+
+def static_weights(budgets: Mapping[str, float], num_steps: int,
+                   types: tuple[str, ...] = ATOM_TYPES) -> Tensor:
+    """[len(types), K] float64: lambda_k / mean(lambda) at every one of the K = num_steps steps
+    (0 for a type without a budget): the static weighting ReCAST is compared against."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1; got {num_steps}")
+    lam = torch.tensor([float(v) for v in budgets.values()], dtype=torch.float64)  # [R]
+    rows = (lam / _budget_scale(lam))[:, None].expand(-1, num_steps)  # [R, K]
+    return _by_type(tuple(budgets), rows, types)
 
 
 def plot_recast_gains(result: RecastGains, title: str) -> bytes:

@@ -1,7 +1,9 @@
 """Flow `cast`: one RL iteration (k = last finished + 1, or `iteration`) of a recipe.
 
 Deployed as `cast/train-iteration` (prefect.yaml). Every stage is a cached, resumable task
-(tasks/stage.py); re-running after a crash finishes the iteration and skips finished stages.
+(tasks/stage.py); re-running after a crash finishes the iteration and skips finished stages. With
+`recast.weighting = "recast"` the ReCAST gains of the policy (re-estimated every `recast.every`
+iterations) run before training, which weights each atom type's share of the map per step.
 
     .venv/bin/python -m flows.cast --recipe data/recipes/shapes-cast.toml
 """
@@ -16,6 +18,7 @@ from prefect import flow
 from tasks.build_csgs import build_csgs_task
 from tasks.calibrate_window import calibrate_window_task
 from tasks.compute_advantages import compute_advantages_task
+from tasks.recast_gains import gains_for_training_task
 from tasks.recipe import load_recipe, parse_overrides
 from tasks.report import iteration_report_task, next_iteration_task, store_root
 from tasks.rollout_groups import rollout_task
@@ -38,7 +41,8 @@ def cast(recipe: str = DEFAULT_RECIPE, iteration: int | None = None, store: str 
     rollouts = rollout_task(st, r, csgs, window, k)
     scores = score_atoms_task(st, r, csgs, rollouts, k)
     advantages = compute_advantages_task(st, r, rollouts, scores, k)
-    train_epoch_task(st, r, csgs, rollouts, scores, advantages, k)
+    gains = gains_for_training_task(st, r, k) if r.recast.weighting == "recast" else None
+    train_epoch_task(st, r, csgs, rollouts, scores, advantages, k, gains)
     return iteration_report_task(st, r, k)
 
 

@@ -10,6 +10,11 @@ prompt id, sample index) only, so every iteration sees the same positives and no
 move with the policy alone. Writes `recast_gains` (one row per reward and schedule step) and a
 PNG heatmap blob whose path every row carries.
 
+Training (`recast.weighting` in the recipe): `gains_for_training` runs this stage on the policy of
+every `recast.every`-th iteration, and `reward_step_weights` turns the result (restricted to the
+window) or the static budgets into the per-type, per-step weights the trainer applies to the
+type maps of `compute_advantages` (`cast_core.advantage.step_weighted_maps`).
+
 Shapes family only: positives come from the renderer (the real families have no positive-sample
 source yet, nor an `encode_images`). The policy is the base model (`policy_lora` None) or a LoRA
 blob of the store (e.g. `policy_for(store, recipe, k).lora_path`). Cached on the base weights'
@@ -34,12 +39,16 @@ from cast_core.recast_gains import (
     plot_recast_gains,
     policy_statistics,
     positive_statistics,
+    restrict_to_window,
+    static_weights,
+    training_weights,
 )
 from cast_core.recast_gains import (
     recast_gains as estimate_gains,
 )
 from cast_core.shapes.render import render, sample_scene
 from tasks.models import base_hash, load_base, load_policy, scorer, scorer_id, set_threads
+from tasks.policy_state import policy_for
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
@@ -179,4 +188,55 @@ def read_recast_gains(store: Store, ref: StageRef) -> RecastGains:
                        first[0]["alpha"], first[0]["tau"])
 
 
+def config_from_recipe(recipe: Recipe) -> RecastConfig:
+    """The gain estimate's config from the recipe's `[recast]` section."""
+    r = recipe.recast
+    return RecastConfig(prompts=r.prompts, samples_per_prompt=r.samples_per_prompt, alpha=r.alpha,
+                        tau=r.tau, budgets=r.budget_map(), variance_floor=r.variance_floor)
+
+
+def gains_iteration(recipe: Recipe, iteration: int) -> int:
+    """The iteration whose policy W is estimated on for training iteration `iteration`: the last
+    multiple of `recast.every` (W is re-estimated every `every` iterations)."""
+    return iteration - iteration % recipe.recast.every
+
+
+def _training_args(store: Store, recipe: Recipe, iteration: int) -> tuple[int, str | None]:
+    k0 = gains_iteration(recipe, iteration)
+    return k0, policy_for(store, recipe, k0).lora_path
+
+
+def training_cache_key(store: Store, recipe: Recipe, iteration: int) -> str:
+    k0, lora = _training_args(store, recipe, iteration)
+    return cache_key(store, recipe, k0, config_from_recipe(recipe), lora)
+
+
+def gains_for_training(store: Store, recipe: Recipe, iteration: int) -> StageRef:
+    """The gains training iteration `iteration` weights its loss with: estimated on the policy of
+    `gains_iteration` (recorded at that iteration; later iterations reuse the cached result)."""
+    if recipe.recast.weighting != "recast":
+        raise ValueError(f"gains_for_training needs recast.weighting = 'recast'; the recipe has "
+                         f"{recipe.recast.weighting!r}")
+    k0, lora = _training_args(store, recipe, iteration)
+    return recast_gains(store, recipe, k0, config_from_recipe(recipe), lora)
+
+
+def reward_step_weights(store: Store, recipe: Recipe, window_start: int, window_end: int,
+                        gains: StageRef | None) -> torch.Tensor | None:
+    """[4, K] float64 weights of the atom types (ATOM_TYPES order) at the window's K steps, for
+    `recast.weighting` ("none": None; "static": lambda_k / mean(lambda); "recast": K W[k, t] /
+    mean(lambda) with W re-solved over the window from `gains`); `cast_core.recast_gains`."""
+    weighting = recipe.recast.weighting
+    if weighting == "none":
+        return None
+    if weighting == "static":
+        return static_weights(recipe.recast.budget_map(), window_end - window_start)
+    if gains is None:
+        raise ValueError("recast.weighting = 'recast' needs the gains of this iteration "
+                         "(tasks.recast_gains.gains_for_training); none were passed")
+    window = restrict_to_window(read_recast_gains(store, gains), window_start, window_end)
+    return training_weights(window)
+
+
 recast_gains_task = stage_task(recast_gains, STAGE, cache_key)
+gains_for_training_task = stage_task(gains_for_training, STAGE, training_cache_key)

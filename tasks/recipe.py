@@ -185,6 +185,43 @@ class TrainSection(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
 
 
+class RecastSection(_Section):
+    """Per-reward step weights on CAST's map (ReCAST; rewards = the atom types). `weighting`:
+    "none" (CAST's map as is), "static" (type k's share of the map weighted by
+    lambda_k / mean(lambda) at every window step), "recast" (by K W[k, t] / mean(lambda), W the
+    Sinkhorn plan of the per-step discriminability gains over the window, re-estimated from fresh
+    policy samples every `every` iterations; shapes family only: positives come from the
+    renderer). `budgets` lambda_k maps atom types to relative weights > 0 (a type left out gets
+    weight 0; None = the four types equally). The rest configure the gain estimate
+    (`tasks.recast_gains.RecastConfig`): `prompts` x `samples_per_prompt` samples a side, Renyi
+    order `alpha`, kernel temperature `tau`, `variance_floor`."""
+
+    weighting: Literal["none", "static", "recast"] = "none"
+    budgets: dict[Literal["object", "count", "attribute", "relation"], float] | None = None
+    every: int = Field(1, ge=1, description="re-estimate W every N iterations")
+    prompts: int = Field(16, ge=1)
+    samples_per_prompt: int = Field(2, ge=1)
+    alpha: float = Field(0.5, gt=0.0, lt=1.0)
+    tau: float = Field(1.0, gt=0.0)
+    variance_floor: float = Field(1e-4, gt=0.0)
+
+    @model_validator(mode="after")
+    def _budgets(self) -> RecastSection:
+        if self.budgets is not None:
+            bad = {k: v for k, v in self.budgets.items() if not (0.0 < v < float("inf"))}
+            if not self.budgets or bad:
+                raise ValueError(f"budgets must give at least one atom type a finite value > 0 "
+                                 f"(leave a type out to drop it); bad: {bad or 'empty'}")
+        return self
+
+    def budget_map(self) -> dict[str, float]:
+        """{atom type: lambda_k} in type order (None: each of the four types at 1)."""
+        types = ("object", "count", "attribute", "relation")
+        if self.budgets is None:
+            return dict.fromkeys(types, 1.0)
+        return {k: float(self.budgets[k]) for k in types if k in self.budgets}
+
+
 class EvalSection(_Section):
     splits: dict[str, str]
     images_per_prompt: int = Field(4, ge=1)
@@ -204,6 +241,7 @@ class Recipe(_Section):
     advantage: AdvantageSection
     train: TrainSection
     eval: EvalSection
+    recast: RecastSection = RecastSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -215,6 +253,14 @@ class Recipe(_Section):
             raise ValueError(f"window [start={self.window.start}, start+size="
                              f"{self.window.start + self.window.size}) does not fit in "
                              f"sampling.num_steps={steps}; lower window.start")
+        if self.recast.weighting != "none" and self.advantage.kind != "spatial":
+            raise ValueError(f"recast.weighting = {self.recast.weighting!r} weights the atom types' "
+                             f"shares of CAST's map; it needs advantage.kind = 'spatial' (got "
+                             f"{self.advantage.kind!r}) or recast.weighting = 'none'")
+        if self.recast.weighting == "recast" and self.backbone.family != "shapes":
+            raise ValueError(f"recast.weighting = 'recast' estimates gains against positives from "
+                             f"the shapes renderer; backbone.family {self.backbone.family!r} has "
+                             f"no positive source yet (use 'static' or 'none')")
         return self
 
     def derived(self) -> dict[str, Any]:
@@ -235,6 +281,12 @@ class Recipe(_Section):
                        f"fixed: steps [{self.window.start}, "
                        f"{self.window.start + self.window.size})"),
             "lora_scale": self.train.lora_alpha / self.train.lora_rank,
+            "reward_step_weights": {
+                "none": "none (CAST's map)",
+                "static": f"static budgets {self.recast.budget_map()}",
+                "recast": f"ReCAST Sinkhorn W at budgets {self.recast.budget_map()}, re-estimated "
+                          f"every {self.recast.every} iteration(s) on {self.recast.prompts} x "
+                          f"{self.recast.samples_per_prompt} samples"}[self.recast.weighting],
             "recipe_hash": self.content_hash()[:16],
         }
 

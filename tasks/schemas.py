@@ -19,6 +19,9 @@ Diagnostics (version 2 of train_steps, checkpoints, evals; `cast_core/diagnostic
 them):
 - `train_steps.ratio_mean_per_step` / `clip_fraction_per_step`: K values in window-step order,
   each over the micro-batch's samples and positions (null when the step was skipped).
+- `train_steps.reward_step_weights_json` (version 3): with `recast.weighting` "static" or
+  "recast", {atom type: [weight at each window step]} the loss applied to that type's share of
+  the map (null with "none").
 - `checkpoints` is the one row per iteration, so it carries the iteration's diagnostics:
   `param_change_norm` = ||theta_after - theta_before||_2 of the LoRA parameters over the
   iteration's training; `rollout_hf_energy` = mean high-frequency energy of the iteration's
@@ -118,9 +121,9 @@ _SPECS = (
            ("lora_rank", I32), ("lora_alpha", F64), ("optimizer_steps", I64),
            ("param_change_norm", F64), ("rollout_hf_energy", F64),
            ("constant_reward_alarm", BOOL), ("alarm_reason", STR, _NULL)),
-    _table("train_steps", 2,
+    _table("train_steps", 3,
            "One optimizer step: loss and diagnostics (null when skipped; ratio mean and clip "
-           "fraction also per window step), rewards, stage timings.",
+           "fraction also per window step), rewards, stage timings, ReCAST step weights.",
            ("run_id", STR), ("iteration", I32), ("step", I64), ("inner_epoch", I32),
            ("loss", F64, _NULL), ("clip_fraction", F64, _NULL), ("ratio_mean", F64, _NULL),
            ("ratio_std", F64, _NULL), ("approx_kl", F64, _NULL), ("kl", F64, _NULL),
@@ -129,7 +132,8 @@ _SPECS = (
            ("reward_count", F64, _NULL), ("reward_attribute", F64, _NULL),
            ("reward_relation", F64, _NULL), ("zero_variance_fraction", F64),
            ("stage_seconds_json", STR), ("ratio_mean_per_step", _list(F64), _NULL),
-           ("clip_fraction_per_step", _list(F64), _NULL)),
+           ("clip_fraction_per_step", _list(F64), _NULL),
+           ("reward_step_weights_json", STR, _NULL)),
     _table("evals", 2,
            "Evaluation of one checkpoint on one group of a split (overall, tag, atom type or "
            "atom count), with the group's mean image high-frequency energy.",

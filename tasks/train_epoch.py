@@ -5,7 +5,10 @@ the stored window steps, and the advantages the recipe selects ("spatial": the C
 log-prob grid; "scalar": Flow-GRPO's per-sample advantage; "atom": the no-map credit as a constant
 map on the spatial loss), runs `cast_core.policy.policy_update`
 (inner epochs x micro-batches, clipped objective, optional KL to the adapter-free base, NaN/Inf
-guard that skips and records a bad micro-batch), and writes:
+guard that skips and records a bad micro-batch). With `recast.weighting` "static" or "recast"
+the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
+weighted by `tasks.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
+stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
 - `train_steps`: one row per micro-batch step with loss, clip fraction, ratio mean/std (also the
   ratio mean and clip fraction per window step), approx KL, KL, grad norm, skip flag and reason,
   lr, this iteration's mean score per atom type, the fraction of zero-variance atom groups, and
@@ -31,6 +34,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from cast_core.advantage import step_weighted_maps
 from cast_core.diagnostics import (
     RewardAlarm,
     constant_reward_alarm,
@@ -38,6 +42,7 @@ from cast_core.diagnostics import (
     param_change_norm,
 )
 from cast_core.policy import PolicyConfig, UpdateStep, policy_update
+from cast_core.recast_gains import ATOM_TYPES  # the order of compute_advantages' type_maps
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
 from tasks.models import (
@@ -49,6 +54,7 @@ from tasks.models import (
     set_threads,
 )
 from tasks.policy_state import policy_for
+from tasks.recast_gains import reward_step_weights
 from tasks.recipe import Recipe
 from tasks.rollout_groups import rollout_spec
 from tasks.score_atoms import load_graphs, load_rollout_rows
@@ -56,7 +62,6 @@ from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "train_epoch"
-ATOM_TYPES = ("object", "count", "attribute", "relation")
 
 
 def _logger():
@@ -139,13 +144,28 @@ def _pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Ten
 
 
 def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef,
-              advantages: StageRef, iteration: int) -> str:
+              advantages: StageRef, iteration: int, gains: StageRef | None = None) -> str:
     policy = policy_for(store, recipe, iteration)
-    return make_key(STAGE, {"train": recipe.section_hash("train", "advantage", "sampling"),
+    return make_key(STAGE, {"train": recipe.section_hash("train", "advantage", "sampling",
+                                                         "recast"),
                             "seed": recipe.run.seed, "iteration": iteration},
                     {"policy": policy.policy_hash, "optimizer": policy.optimizer_path or "",
                      "rollouts": rollouts.content_hash, "scores": scores.content_hash,
-                     "advantages": advantages.content_hash})
+                     "advantages": advantages.content_hash,
+                     "gains": gains.content_hash if gains is not None else ""})
+
+
+def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], window: SdeWindow,
+                gains: StageRef | None) -> tuple[torch.Tensor, str, str | None]:
+    """(advantages, loss kind, step weights as JSON or None): `_pick_advantage`, or with
+    `recast.weighting` the type maps weighted per window step ([N, K, h, w])."""
+    weights = reward_step_weights(store, recipe, window.start, window.end, gains)  # [4, K]
+    if weights is None:
+        return *_pick_advantage(blob, recipe.advantage.kind), None
+    maps = step_weighted_maps(blob["type_maps"], weights, recipe.advantage.clip)
+    text = json.dumps({k: [round(float(x), 6) for x in weights[i]]
+                       for i, k in enumerate(ATOM_TYPES)})
+    return maps, "spatial", text
 
 
 def _load_rollout(store: Store, rows: list[dict],
@@ -161,7 +181,8 @@ def _load_rollout(store: Store, rows: list[dict],
 
 
 def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef,
-                scores: StageRef, advantages: StageRef, iteration: int) -> StageRef:
+                scores: StageRef, advantages: StageRef, iteration: int,
+                gains: StageRef | None = None) -> StageRef:
     run_id, tr = recipe.run.name, recipe.train
 
     def body():
@@ -180,7 +201,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         adv_blob = store.get_tensors(pq.read_table(store.resolve(
             advantages.path_with("/advantage_maps/")), columns=["map_path"])["map_path"][0]
             .as_py())
-        adv, loss_kind = _pick_advantage(adv_blob, recipe.advantage.kind)
+        adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
         config = PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range,
                               kl_beta=tr.kl_beta, inner_epochs=tr.inner_epochs,
                               micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
@@ -207,7 +228,8 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         images = store.get_tensors(rows[0]["image_path"])["images"][index]  # uint8 [N, 3, H, W]
         seconds = _stage_seconds(store, run_id, iteration)
         step_rows = [{"run_id": run_id, "iteration": iteration, "step": steps_before + j,
-                      **_step_row(u), "lr": tr.lr, **stats, "stage_seconds_json": seconds}
+                      **_step_row(u), "lr": tr.lr, **stats, "stage_seconds_json": seconds,
+                      "reward_step_weights_json": weights_json}
                      for j, u in enumerate(updates)]
         lora_blob = store.put_tensors(lora_tensors(backbone))
         opt_tensors, groups = optimizer_tensors(optimizer)
@@ -225,7 +247,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         return [store.write_table("train_steps", step_rows, part), lora_blob, opt_blob,
                 store.write_table("checkpoints", [checkpoint], part)]
 
-    key = cache_key(store, recipe, rollouts, scores, advantages, iteration)
+    key = cache_key(store, recipe, rollouts, scores, advantages, iteration, gains)
     return run_stage(store, run_id, iteration, STAGE, key, body)
 
 

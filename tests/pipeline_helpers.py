@@ -59,6 +59,7 @@ def run_iteration(store: Store, recipe: Recipe, iteration: int | None = None,
     from tasks.build_csgs import build_csgs
     from tasks.calibrate_window import calibrate_window
     from tasks.compute_advantages import compute_advantages
+    from tasks.recast_gains import gains_for_training
     from tasks.report import next_iteration
     from tasks.rollout_groups import rollout_groups
     from tasks.score_atoms import score_atoms
@@ -80,8 +81,12 @@ def run_iteration(store: Store, recipe: Recipe, iteration: int | None = None,
     refs["score_atoms"] = sc = score_atoms(store, recipe, c, ro, k)
     start("compute_advantages")
     refs["compute_advantages"] = ad = compute_advantages(store, recipe, ro, sc, k)
+    gains = None
+    if recipe.recast.weighting == "recast":
+        start("recast_gains")
+        refs["recast_gains"] = gains = gains_for_training(store, recipe, k)
     start("train_epoch")
-    refs["train_epoch"] = train_epoch(store, recipe, c, ro, sc, ad, k)
+    refs["train_epoch"] = train_epoch(store, recipe, c, ro, sc, ad, k, gains)
     return refs
 
 

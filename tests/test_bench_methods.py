@@ -78,7 +78,7 @@ def test_ratio_bootstrap_closed_forms_and_refusals():
 
 
 def test_eval_iterations_and_sizes():
-    assert bm.FULL.eval_at() == (3, 7)
+    assert bm.FULL.eval_at() == (5,)
     assert bm.QUICK.eval_at() == (0, 1)
     assert bm.Size(iterations=5, seeds=1, eval_prompts=1, images_per_prompt=1,
                    eval_every=10).eval_at() == (4,)
@@ -100,6 +100,20 @@ def test_arms_are_at_equal_budget_and_differ_only_where_meant(tmp_path):
     assert recipes["cast-no-map"].advantage.kind == "atom"
     assert recipes["cast-no-map"].window == recipes["cast"].window
     assert {r.run.seed for r in recipes.values()} == {1}
+    assert recipes["cast"].recast.weighting == "none"
+    for name, weighting in (("recast-equal", "recast"), ("static-skewed", "static"),
+                            ("recast-skewed", "recast")):
+        r = recipes[name]
+        assert r.recast.weighting == weighting, name
+        assert (r.advantage, r.window, r.train) == (recipes["cast"].advantage,
+                                                    recipes["cast"].window, recipes["cast"].train)
+    assert recipes["recast-equal"].recast.budget_map() == dict.fromkeys(bm.ATOM_TYPES, 1.0)
+    assert recipes["static-skewed"].recast.budget_map() == bm.SKEWED
+    assert recipes["recast-skewed"].recast == recipes["static-skewed"].recast.model_copy(
+        update={"weighting": "recast"})
+    assert [a.name for a in bm.arms("methods")] == [a.name for a in bm.arms()][:4]
+    with pytest.raises(ValueError, match="suite"):
+        bm.arms("recast")
     assert recipes["cast"].prompts.per_iteration == bm.QUICK.per_iteration
     other = bm.recipe_for(bm.arms()[1], 2, bm.QUICK, splits, "t-other", 1)
     with pytest.raises(ValueError, match="seed"):
@@ -117,8 +131,13 @@ def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, m
     for name in ("improvements.png", "accuracy_by_iteration.png", "stage_times.png"):
         assert (tmp_path / "report" / name).stat().st_size > 1000
         assert f"]({name})" in report
-    for arm in ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map"):
+    arms = ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map", "recast-equal",
+            "static-skewed", "recast-skewed")
+    for arm in arms:
         assert f"| {arm} |" in report
+    assert "## ReCAST" in report
+    for arm in ("recast-equal", "recast-skewed"):
+        assert (tmp_path / "report" / f"gains-{arm}-it0.png").stat().st_size > 1000
     from tasks.store import Store
 
     con = Store(tmp_path / "store").connect_readonly()
@@ -133,6 +152,11 @@ def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, m
     sm = out["summary"]
     assert sm.base[("hard", "mean_score")] == pytest.approx(base)
     assert sm.improvement[("cast", "hard", "mean_score")][1] == pytest.approx(final - base)
-    assert runs == {f"tiny-{a}-s{x}" for a in ("flowgrpo", "cast", "cast-fixed-window",
-                                                "cast-no-map") for x in (0, 1)}
+    assert runs == {f"tiny-{a}-s{x}" for a in arms for x in (0, 1)}
     assert sm.time_ratio[("flowgrpo", "iteration")] == pytest.approx(1.0)
+    rs, imp = out["recast"], sm.improvement
+    assert rs.paired[("recast-skewed", "hard", "mean_score")].mean == pytest.approx(
+        np.mean(imp[("recast-skewed", "hard", "mean_score")])
+        - np.mean(imp[("static-skewed", "hard", "mean_score")]))
+    weights = rs.weights["static-skewed"]
+    assert weights["count"][0] == pytest.approx(2 * weights["object"][0])

@@ -31,6 +31,7 @@ def _error(path: Path, overrides: dict | None = None) -> str:
     ("shapes-cast", "spatial", "calibrated", 16, 8),
     ("shapes-flowgrpo", "scalar", "fixed", 16, 8),
     ("shapes-ci", "spatial", "calibrated", 4, 4),
+    ("shapes-recast", "spatial", "calibrated", 16, 8),
 ])
 def test_committed_recipes_load(name, kind, mode, b, g):
     recipe = load_recipe(RECIPES / f"{name}.toml")
@@ -44,8 +45,8 @@ def test_committed_recipes_load(name, kind, mode, b, g):
 
 def test_committed_recipes_differ_and_are_frozen():
     recipes = [load_recipe(p) for p in sorted(RECIPES.glob("*.toml"))]
-    assert len(recipes) == 6
-    assert len({r.content_hash() for r in recipes}) == 6
+    assert len(recipes) == 7
+    assert len({r.content_hash() for r in recipes}) == 7
     with pytest.raises(pydantic.ValidationError):
         recipes[0].prompts.group_size = 3
 
