@@ -50,16 +50,17 @@ stage_seconds_json is made from, which lacks train_epoch itself); iteration = ro
 score_atoms + compute_advantages + train_epoch; medians over seeds x iterations; ratio = median
 CAST / median Flow-GRPO.
 
-Full-mode size (the default): 7 arms x 3 seeds x 6 iterations of the default recipes (16 prompts x
+Full-mode size (the default): 7 arms x 3 seeds x 4 iterations of the default recipes (16 prompts x
 8 samples), evaluated at the last iteration on 64 prompts per split x 2 images (256 images per
 checkpoint). Arithmetic on this 2-core machine:
-  training   7 x 3 x 6 = 126 iterations x ~28 s (measured per default iteration)   = 3528 s
-  ReCAST     3 arms x 3 x 6 = 54 gain estimates x ~8 s (16 x 2 samples a side)     =  432 s
+  training   7 x 3 x 4 = 84 iterations x ~28 s (measured per default iteration)    = 2352 s
+  ReCAST     2 arms x 3 x 4 = 24 gain estimates x ~8 s (16 x 2 samples a side)     =  192 s
   evaluation (7 x 3 + 1 base) = 22 checkpoints x 256 images x 0.118 s/image        =  665 s
              (0.118 s/image: base eval, 828 images in 98 s, README)
   run level  21 runs x ~6 s (CSGs 1.9 s + calibration on 16 prompts 4.0 s, 1 thread) =  126 s
-  total ~4750 s = 79 min, leaving ~11 min of the 90 for load from other processes. `--suite
-methods` runs the first four arms only (`--seeds 4 --iterations 8` then fit about the same time).
+  total ~3340 s = 56 min, leaving room in the 90 for load from other processes or
+`--iterations 6` (~72 min). `--suite methods` runs the first four arms only (`--seeds 4
+--iterations 8` then fit about the same time).
 --quick: 2 seeds x 2 iterations, 4 prompts x 4 samples, 6 eval prompts per split x 2 images at
 every iteration, the recipes' calibration (16 prompts; with fewer it can land on Flow-GRPO's
 window, which makes cast and cast-fixed-window the same run): a smoke check of ~5 minutes.
@@ -129,7 +130,7 @@ class Size:
         return tuple(sorted({*every, self.iterations - 1}))
 
 
-FULL = Size(iterations=6, seeds=3, eval_prompts=64, images_per_prompt=2, eval_every=6)
+FULL = Size(iterations=4, seeds=3, eval_prompts=64, images_per_prompt=2, eval_every=4)
 QUICK = Size(iterations=2, seeds=2, eval_prompts=6, images_per_prompt=2, eval_every=1,
              per_iteration=4, group_size=4)
 

@@ -78,7 +78,7 @@ def test_ratio_bootstrap_closed_forms_and_refusals():
 
 
 def test_eval_iterations_and_sizes():
-    assert bm.FULL.eval_at() == (5,)
+    assert bm.FULL.eval_at() == (3,)
     assert bm.QUICK.eval_at() == (0, 1)
     assert bm.Size(iterations=5, seeds=1, eval_prompts=1, images_per_prompt=1,
                    eval_every=10).eval_at() == (4,)
