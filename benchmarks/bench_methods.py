@@ -52,15 +52,10 @@ CAST / median Flow-GRPO.
 
 Full-mode size (the default): 7 arms x 3 seeds x 4 iterations of the default recipes (16 prompts x
 8 samples), evaluated at the last iteration on 64 prompts per split x 2 images (256 images per
-checkpoint). Arithmetic on this 2-core machine:
-  training   7 x 3 x 4 = 84 iterations x ~28 s (measured per default iteration)    = 2352 s
-  ReCAST     2 arms x 3 x 4 = 24 gain estimates x ~8 s (16 x 2 samples a side)     =  192 s
-  evaluation (7 x 3 + 1 base) = 22 checkpoints x 256 images x 0.118 s/image        =  665 s
-             (0.118 s/image: base eval, 828 images in 98 s, README)
-  run level  21 runs x ~6 s (CSGs 1.9 s + calibration on 16 prompts 4.0 s, 1 thread) =  126 s
-  total ~3340 s = 56 min, leaving room in the 90 for load from other processes or
-`--iterations 6` (~72 min). `--suite methods` runs the first four arms only (`--seeds 4
---iterations 8` then fit about the same time).
+checkpoint). Measured on this 2-core machine (2026-12-03, with a test run beside it for half of
+it): 29.4 min in all; medians 14.6 s per iteration (rollout 7.8, training 6.3), ReCAST gains
+~5.7 s per estimate, 15 s per evaluated checkpoint. `--iterations 8` fits in about an hour.
+`--suite methods` runs the first four arms only.
 --quick: 2 seeds x 2 iterations, 4 prompts x 4 samples, 6 eval prompts per split x 2 images at
 every iteration, the recipes' calibration (16 prompts; with fewer it can land on Flow-GRPO's
 window, which makes cast and cast-fixed-window the same run): a smoke check of ~5 minutes.
@@ -461,12 +456,14 @@ def summarise(res: Results, arm_names: list[str], seeds: list[int], prefix: str,
 @dataclass(frozen=True)
 class RecastSummary:
     """The ReCAST comparison (arms of the recast suite, `RECAST_PAIRS`): train[(arm, type)] =
-    Interval (None when no prompt had the type) over seeds of the change of the rollouts' mean score of that type from iteration 0
-    to the last; held_out[(arm, type)] = Interval of the eval split's per-type mean-score
-    improvement over base; paired[(recast arm, split, metric)] = Interval of the per-seed
-    difference ReCAST - static improvement; weights[arm] = {type: mean over seeds of the last
-    iteration's step weights}; gain_plots[(arm, iteration)] = store path (seed 0, the first and
-    the last estimate)."""
+    Interval over seeds of the arm's mean rollout score of that type over iterations 1..last
+    minus cast's (same seed: same prompts and noise at every iteration, so the difference is
+    paired; iteration 0 is the base policy in every arm; None when no prompt had the type);
+    held_out[(arm, type)] = Interval of the eval split's per-type mean-score improvement over
+    base; paired[(recast arm, split, metric)] = Interval of the per-seed difference ReCAST -
+    static improvement; weights[arm] = {type: mean over seeds of the last iteration's step
+    weights}; gain_plots[(arm, iteration)] = store path (seed 0, the first and the last
+    estimate)."""
 
     arms: tuple[str, ...]
     train: dict
@@ -489,12 +486,17 @@ def summarise_recast(res: Results, sm: Summary, seeds: list[int], prefix: str,
         kept = [v for v in values if v is not None]
         return t_interval(kept) if kept else None
 
+    def trained(arm: str, seed: int, t: str) -> float | None:
+        """Mean rollout score of type t over iterations 1..last (0 is the base policy)."""
+        values = [res.train[(run_name(prefix, arm, seed), k)][t] for k in range(1, last + 1)]
+        return None if not values or None in values else float(np.mean(values))
+
     train, held = {}, {}
     for a in names:
         for t in ATOM_TYPES:
             runs = [run_name(prefix, a, x) for x in seeds]
-            train[(a, t)] = interval([change(res.train[(r, last)][t], res.train[(r, 0)][t])
-                                      for r in runs])
+            train[(a, t)] = interval([change(trained(a, x, t), trained("cast", x, t))
+                                      for x in seeds])
             base = res.type_evals.get((f"{prefix}-base", -1, "eval", t))
             held[(a, t)] = interval([change(res.type_evals.get((r, last, "eval", t)), base)
                                      for r in runs])
@@ -672,8 +674,10 @@ def recast_section(rs: RecastSummary, store, out: Path, recast) -> list[str]:
         f"re-estimated every {recast.every} iteration(s) on {recast.prompts} prompts x "
         f"{recast.samples_per_prompt} samples of the current policy against exact renders "
         f"(Renyi alpha {recast.alpha}, tau {recast.tau}).")
-    train_text = ("Change of the rollouts' mean atom score per type from iteration 0 to the "
-                  "last (training reward; mean over seeds [95% t-interval]):")
+    train_text = ("Training reward: the rollouts' mean atom score per type over iterations 1 to "
+                  "the last, minus cast's (same seed: the same train prompts and noise at each "
+                  "iteration, so paired; prompts differ between iterations, so a change over "
+                  "iterations would mix in prompt difficulty). Mean over seeds [95% t-interval]:")
     lines = ["## ReCAST: per-reward step weights against static budgets", "", intro, "",
              train_text, "", train, "",
              "Held-out: improvement over base of the eval split's mean score per atom type:", "",
@@ -707,7 +711,9 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
     provenance = (
         f"Generated by `{setup['command']}` from store `{setup['store']}` (runs "
         f"`{prefix}-<arm>-s<seed>`, base `{prefix}-base`); every number below is read from "
-        f"that store's `evals`, `stages` and `windows` tables. This invocation took "
+        f"that store's `evals`, `stages` and `windows` tables (and, for the ReCAST section, "
+        f"`train_steps` and `recast_gains`). The stages' recorded bodies sum to "
+        f"{sum(res.seconds.values()) / 60:.1f} min; this invocation took "
         f"{setup['wall_s'] / 60:.1f} min ({setup['skipped']} stages skipped as already done).")
     budget = (
         f"Equal budget (checked): {size.iterations} iterations x {r0.prompts.per_iteration} "
