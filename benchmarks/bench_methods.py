@@ -10,7 +10,10 @@ Run it from the repository root. Arms (every one from the committed base model):
   verifier's heatmaps; per-position clip range);
 - cast-fixed-window: cast with the flowgrpo recipe's `[window]` section;
 - cast-no-map: cast with `advantage.kind = "atom"`: the same gated atom z-scores, but each
-  sample's map is the constant mean of them (atom-level credit, no pixel projection).
+  sample's map is the constant mean of them (atom-level credit, no pixel projection);
+- cast-late-window: cast with a fixed window at steps [6, 9) (`LATE_WINDOW`), where the atom types
+  become decidable on the base model (ReCAST's gains), added after the first full run showed the
+  calibrated window landing on Flow-GRPO's [0, 3).
 With `--suite all` (the default), the ReCAST comparison (issue 7; rewards = atom types) adds:
 - recast-equal: cast with `recast.weighting = "recast"` at equal budgets (its static counterpart
   is cast itself: static weights at equal budgets are 1, CAST's map);
@@ -50,12 +53,12 @@ stage_seconds_json is made from, which lacks train_epoch itself); iteration = ro
 score_atoms + compute_advantages + train_epoch; medians over seeds x iterations; ratio = median
 CAST / median Flow-GRPO.
 
-Full-mode size (the default): 7 arms x 3 seeds x 4 iterations of the default recipes (16 prompts x
+Full-mode size (the default): 8 arms x 3 seeds x 4 iterations of the default recipes (16 prompts x
 8 samples), evaluated at the last iteration on 64 prompts per split x 2 images (256 images per
 checkpoint). Measured on this 2-core machine (2026-12-03, with a test run beside it for half of
-it): 29.4 min in all; medians 14.6 s per iteration (rollout 7.8, training 6.3), ReCAST gains
+it): 29.4 min for the first 7 arms, ~4 min more for cast-late-window; medians 14.6 s per iteration (rollout 7.8, training 6.3), ReCAST gains
 ~5.7 s per estimate, 15 s per evaluated checkpoint. `--iterations 8` fits in about an hour.
-`--suite methods` runs the first four arms only.
+`--suite methods` runs the first five arms only.
 --quick: 2 seeds x 2 iterations, 4 prompts x 4 samples, 6 eval prompts per split x 2 images at
 every iteration, the recipes' calibration (16 prompts; with fewer it can land on Flow-GRPO's
 window, which makes cast and cast-fixed-window the same run): a smoke check of ~5 minutes.
@@ -86,6 +89,9 @@ SAME_TRAIN = ("lr", "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "micro
 SUITES = ("methods", "all")
 # Issue 7's second budget: the two weakest atom types of the base (count, relation) count double.
 SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
+# Window ablation: the steps where the atom types become decidable on the base model (ReCAST's
+# gains peak at sigma 0.4-0.2, i.e. steps 6-8 of 10), instead of the calibrated [0, 3) / [1, 4).
+LATE_WINDOW = {"window.mode": "fixed", "window.start": 6, "window.size": 3}
 # ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
 RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
 ATOM_TYPES = ("object", "count", "attribute", "relation")
@@ -216,8 +222,8 @@ def ratio_bootstrap(numerator: list[float], denominator: list[float], draws: int
 
 
 def arms(suite: str = "all") -> tuple[Arm, ...]:
-    """The method arms, plus with suite "all" the ReCAST arms; cast-fixed-window takes the
-    flowgrpo recipe's window section."""
+    """The five method arms, plus with suite "all" the three ReCAST arms; cast-fixed-window
+    takes the flowgrpo recipe's window section."""
     from tasks.recipe import load_recipe
 
     if suite not in SUITES:
@@ -229,7 +235,9 @@ def arms(suite: str = "all") -> tuple[Arm, ...]:
                    "at equal budgets)"),
                Arm("cast-fixed-window", CAST_RECIPE, fixed, "atom maps, Flow-GRPO's window"),
                Arm("cast-no-map", CAST_RECIPE, {"advantage.kind": "atom"},
-                   "atom advantages, constant map, calibrated window"))
+                   "atom advantages, constant map, calibrated window"),
+               Arm("cast-late-window", CAST_RECIPE, LATE_WINDOW,
+                   "atom maps, fixed late window (sigma 0.4-0.2, where ReCAST's gains peak)"))
     if suite == "methods":
         return methods
     return (*methods,

@@ -111,7 +111,10 @@ def test_arms_are_at_equal_budget_and_differ_only_where_meant(tmp_path):
     assert recipes["static-skewed"].recast.budget_map() == bm.SKEWED
     assert recipes["recast-skewed"].recast == recipes["static-skewed"].recast.model_copy(
         update={"weighting": "recast"})
-    assert [a.name for a in bm.arms("methods")] == [a.name for a in bm.arms()][:4]
+    assert [a.name for a in bm.arms("methods")] == [a.name for a in bm.arms()][:5]
+    late = recipes["cast-late-window"]
+    assert (late.window.mode, late.window.start, late.window.size) == ("fixed", 6, 3)
+    assert late.advantage == recipes["cast"].advantage
     with pytest.raises(ValueError, match="suite"):
         bm.arms("recast")
     assert recipes["cast"].prompts.per_iteration == bm.QUICK.per_iteration
@@ -131,8 +134,8 @@ def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, m
     for name in ("improvements.png", "accuracy_by_iteration.png", "stage_times.png"):
         assert (tmp_path / "report" / name).stat().st_size > 1000
         assert f"]({name})" in report
-    arms = ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map", "recast-equal",
-            "static-skewed", "recast-skewed")
+    arms = ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map", "cast-late-window",
+            "recast-equal", "static-skewed", "recast-skewed")
     for arm in arms:
         assert f"| {arm} |" in report
     assert "## ReCAST" in report
