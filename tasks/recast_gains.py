@@ -15,8 +15,15 @@ every `recast.every`-th iteration, and `reward_step_weights` turns the result (r
 window) or the static budgets into the per-type, per-step weights the trainer applies to the
 type maps of `compute_advantages` (`cast_core.advantage.step_weighted_maps`).
 
-Shapes family only: positives come from the renderer (the real families have no positive-sample
-source yet, nor an `encode_images`). The policy is the base model (`policy_lora` None) or a LoRA
+Positives (`RecastConfig.positives`): "renderer" (shapes family: exact renders, above) or a folder
+of images from a stronger generator in GenEval's output layout, the one GenEval's generation
+script writes: `<folder>/<NNNNN>/metadata.jsonl` (the prompt's record: `prompt` and `include`
+clauses) and `<folder>/<NNNNN>/samples/*.png` (`read_positive_folder`). Then the P prompts are
+evenly spaced through the folder's prompt folders (sorted by name), each gives up to M of its
+images (sorted by name), centre-cropped to the backbone's aspect and resized (Lanczos) to its
+height x width, encoded with `backbone.encode_images`; the policy samples M images of the same
+prompts. The graphs come from the records' `include` clauses (the GenEval parser), so records
+without them are refused. Any family. The policy is the base model (`policy_lora` None) or a LoRA
 blob of the store (e.g. `policy_for(store, recipe, k).lora_path`). Cached on the base weights'
 hash, the policy hash (the LoRA blob's sha256, or 'base-<hash>'), the sampling and scorer
 sections, the prompt file's hash, asdict(config), the iteration and the code version.
@@ -24,12 +31,16 @@ sections, the prompt file's hash, asdict(config), the iteration and the code ver
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from PIL import Image, ImageOps
 
 from cast_core.csg_parser import graph_from_geneval
 from cast_core.recast_gains import (
@@ -56,13 +67,20 @@ from tasks.stage import StageRef, derive_seed, file_hash, make_key, run_stage, s
 from tasks.store import Store
 
 STAGE = "recast_gains"
+RENDERER = "renderer"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+class PositiveFolderError(ValueError):
+    """A positives folder that is not in GenEval's output layout; the message names the path."""
 
 
 @dataclass(frozen=True)
 class RecastConfig:
     """prompts P and samples_per_prompt M (P M samples on each side); alpha: Renyi order in
     (0, 1); tau: kernel temperature; budgets: atom type -> lambda_k > 0 (None: the four types
-    at 1/4); variance_floor: floor of the fitted variances."""
+    at 1/4); variance_floor: floor of the fitted variances; positives: "renderer" or a folder
+    in GenEval's output layout (module docstring)."""
 
     prompts: int = 16
     samples_per_prompt: int = 2
@@ -70,6 +88,7 @@ class RecastConfig:
     tau: float = 1.0
     budgets: dict[str, float] | None = None
     variance_floor: float = 1e-4
+    positives: str = RENDERER
 
     def __post_init__(self) -> None:
         p, m = self.prompts, self.samples_per_prompt
@@ -103,11 +122,79 @@ def _policy_hash(store: Store, recipe: Recipe, policy_lora: str | None) -> str:
 
 def cache_key(store: Store, recipe: Recipe, iteration: int, config: RecastConfig = RecastConfig(),
               policy_lora: str | None = None) -> str:
-    return make_key(STAGE, {"sections": recipe.section_hash("sampling", "scorer"),
+    source = (file_hash(recipe.prompts.train) if config.positives == RENDERER
+              else folder_hash(read_positive_folder(config.positives)))
+    return make_key(STAGE, {"sections": recipe.section_hash("sampling", "scorer", "backbone"),
                             "seed": recipe.run.seed, "iteration": iteration,
                             "recast": asdict(config)},
                     {"base": base_hash(recipe), "policy": _policy_hash(store, recipe, policy_lora),
-                     "prompts": file_hash(recipe.prompts.train), "scorer": scorer_id(recipe)})
+                     "prompts": source, "scorer": scorer_id(recipe)})
+
+
+def read_positive_folder(folder: str | Path) -> list[tuple[dict, list[Path]]]:
+    """[(record, image paths)] per prompt folder of a GenEval-layout folder, sorted by name;
+    raises PositiveFolderError naming the path when the layout or a record is wrong."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise PositiveFolderError(f"recast.positives: {root} is not a folder (expected GenEval's "
+                                  f"output layout <folder>/<NNNNN>/metadata.jsonl + samples/*.png)")
+    out = []
+    for sub in sorted(d for d in root.iterdir() if d.is_dir()):
+        meta = sub / "metadata.jsonl"
+        if not meta.is_file():
+            raise PositiveFolderError(f"{sub}: no metadata.jsonl (each prompt folder holds the "
+                                      f"prompt's GenEval record and a samples/ folder)")
+        lines = [x for x in meta.read_text(encoding="utf-8").splitlines() if x.strip()]
+        try:
+            record = json.loads(lines[0]) if len(lines) == 1 else None
+        except json.JSONDecodeError as err:
+            raise PositiveFolderError(f"{meta}: not valid JSON ({err})") from err
+        if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
+                and isinstance(record.get("include"), list)):
+            raise PositiveFolderError(f"{meta}: expected one JSON line with a string 'prompt' and "
+                                      f"GenEval 'include' clauses (the graphs come from them)")
+        images = sorted(p for p in (sub / "samples").glob("*")
+                        if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not images:
+            raise PositiveFolderError(f"{sub / 'samples'}: no images ({', '.join(IMAGE_SUFFIXES)})")
+        out.append((record, images))
+    if not out:
+        raise PositiveFolderError(f"recast.positives: {root} has no prompt folders "
+                                  f"(<NNNNN>/metadata.jsonl + samples/*.png)")
+    return out
+
+
+def folder_hash(entries: list[tuple[dict, list[Path]]]) -> str:
+    """sha256 over the records and the bytes of every image (so edited images re-run)."""
+    h = hashlib.sha256()
+    for record, images in entries:
+        h.update(json.dumps(record, sort_keys=True).encode())
+        for p in images:
+            h.update(p.name.encode() + bytes.fromhex(file_hash(p)))
+    return h.hexdigest()
+
+
+def load_images(paths: list[Path], height: int, width: int) -> torch.Tensor:
+    """Images [N, 3, height, width] in [0, 1]: RGB, centre-cropped to the aspect and resized
+    with Lanczos (an image already at the size passes unchanged)."""
+    out = []
+    for p in paths:
+        with Image.open(p) as im:
+            fitted = ImageOps.fit(im.convert("RGB"), (width, height), Image.Resampling.LANCZOS)
+        out.append(np.asarray(fitted, dtype=np.uint8))
+    return torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2).float() / 255.0
+
+
+def _image_size(backbone) -> tuple[int, int]:
+    config = backbone.config
+    if hasattr(config, "image_size"):
+        return config.image_size, config.image_size
+    return config.height, config.width
+
+
+def _pick(items: list, n: int) -> list:
+    """n items evenly spaced through `items` (all when n >= len)."""
+    return [items[i * len(items) // n] for i in range(min(n, len(items)))]
 
 
 def positive_images(records: list[dict], seeds: list[int]) -> torch.Tensor:
@@ -132,28 +219,43 @@ def _rows(result: RecastGains, run_id: str, iteration: int, policy_hash: str,
 def recast_gains(store: Store, recipe: Recipe, iteration: int,
                  config: RecastConfig = RecastConfig(), policy_lora: str | None = None) -> StageRef:
     run_id, s = recipe.run.name, recipe.sampling
-    if recipe.backbone.family != "shapes":
-        raise ValueError(f"recast_gains needs positive samples; only the shapes renderer gives "
-                         f"them, and backbone.family is {recipe.backbone.family!r}")
+    if config.positives == RENDERER and recipe.backbone.family != "shapes":
+        raise ValueError(f"recast_gains: the renderer gives positives only for the shapes family "
+                         f"(backbone.family is {recipe.backbone.family!r}); set recast.positives "
+                         f"to a GenEval-layout folder of images from a stronger generator")
 
     def body():
         set_threads(recipe)
-        records = load_prompts(recipe, recipe.prompts.train)
-        picks = [records[i * len(records) // config.prompts]
-                 for i in range(min(config.prompts, len(records)))]
-        samples = [(r, j) for r in picks for j in range(config.samples_per_prompt)]
+        m = config.samples_per_prompt
+        if config.positives == RENDERER:
+            picks = _pick(load_prompts(recipe, recipe.prompts.train), config.prompts)
+            positive_images_of = None
+        else:
+            entries = _pick(read_positive_folder(config.positives), config.prompts)
+            picks, positive_images_of = [r for r, _ in entries], [p[:m] for _, p in entries]
+        samples = [(r, j) for r in picks for j in range(m)]
         prompts = [r["prompt"] for r, _ in samples]
         graphs = [graph_from_geneval(r) for r, _ in samples]
         seeds = [derive_seed(recipe.run.seed, "recast-noise", prompt_id(r["prompt"]), j)
                  for r, j in samples]
-        scenes = [derive_seed(recipe.run.seed, "recast-scene", prompt_id(r["prompt"]), j)
-                  for r, j in samples]
         backbone = (load_base(recipe) if policy_lora is None
                     else load_policy(recipe, store.get_tensors(policy_lora))[0])
         statistics = atom_type_statistics(scorer(recipe)[1], tuple(config.budget_map()))
-        x0 = backbone.encode_images(positive_images([r for r, _ in samples], scenes))
+        if positive_images_of is None:
+            scenes = [derive_seed(recipe.run.seed, "recast-scene", prompt_id(r["prompt"]), j)
+                      for r, j in samples]
+            images, kept = positive_images([r for r, _ in samples], scenes), samples
+        else:
+            kept = [(r, j) for r, paths in zip(picks, positive_images_of, strict=True)
+                    for j in range(len(paths))]
+            images = load_images([p for paths in positive_images_of for p in paths],
+                                 *_image_size(backbone))
+        index = {(prompt_id(r["prompt"]), j): i for i, (r, j) in enumerate(samples)}
+        take = [index[(prompt_id(r["prompt"]), j)] for r, j in kept]
+        x0 = backbone.encode_images(images)
         args = (s.num_steps, s.guidance_scale, statistics, s.chunk_size)
-        positive = positive_statistics(backbone, x0, prompts, graphs, seeds, *args)
+        positive = positive_statistics(backbone, x0, [prompts[i] for i in take],
+                                       [graphs[i] for i in take], [seeds[i] for i in take], *args)
         policy = policy_statistics(backbone, prompts, graphs, seeds, *args)
         result = estimate_gains(positive, policy, config.budget_map(), config.alpha, config.tau,
                                 config.variance_floor)
@@ -192,7 +294,8 @@ def config_from_recipe(recipe: Recipe) -> RecastConfig:
     """The gain estimate's config from the recipe's `[recast]` section."""
     r = recipe.recast
     return RecastConfig(prompts=r.prompts, samples_per_prompt=r.samples_per_prompt, alpha=r.alpha,
-                        tau=r.tau, budgets=r.budget_map(), variance_floor=r.variance_floor)
+                        tau=r.tau, budgets=r.budget_map(), variance_floor=r.variance_floor,
+                        positives=r.positives)
 
 
 def gains_iteration(recipe: Recipe, iteration: int) -> int:

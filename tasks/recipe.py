@@ -194,7 +194,10 @@ class RecastSection(_Section):
     renderer). `budgets` lambda_k maps atom types to relative weights > 0 (a type left out gets
     weight 0; None = the four types equally). The rest configure the gain estimate
     (`tasks.recast_gains.RecastConfig`): `prompts` x `samples_per_prompt` samples a side, Renyi
-    order `alpha`, kernel temperature `tau`, `variance_floor`."""
+    order `alpha`, kernel temperature `tau`, `variance_floor`. `positives` is where the positive
+    samples come from: "renderer" (shapes family: exact scenes of the training prompts) or a
+    folder of images from a stronger generator in GenEval's output layout
+    (`<folder>/<NNNNN>/metadata.jsonl` + `<folder>/<NNNNN>/samples/*.png`; any family)."""
 
     weighting: Literal["none", "static", "recast"] = "none"
     budgets: dict[Literal["object", "count", "attribute", "relation"], float] | None = None
@@ -204,6 +207,8 @@ class RecastSection(_Section):
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
     tau: float = Field(1.0, gt=0.0)
     variance_floor: float = Field(1e-4, gt=0.0)
+    positives: str = Field("renderer", min_length=1,
+                           description='"renderer" or a GenEval-layout folder of images')
 
     @model_validator(mode="after")
     def _budgets(self) -> RecastSection:
@@ -257,10 +262,14 @@ class Recipe(_Section):
             raise ValueError(f"recast.weighting = {self.recast.weighting!r} weights the atom types' "
                              f"shares of CAST's map; it needs advantage.kind = 'spatial' (got "
                              f"{self.advantage.kind!r}) or recast.weighting = 'none'")
-        if self.recast.weighting == "recast" and self.backbone.family != "shapes":
-            raise ValueError(f"recast.weighting = 'recast' estimates gains against positives from "
-                             f"the shapes renderer; backbone.family {self.backbone.family!r} has "
-                             f"no positive source yet (use 'static' or 'none')")
+        if (self.recast.weighting == "recast" and self.backbone.family != "shapes"
+                and self.recast.positives == "renderer"):
+            raise ValueError(f"recast.weighting = 'recast' estimates gains against positive "
+                             f"samples; the shapes renderer gives them only for the shapes family "
+                             f"(backbone.family is {self.backbone.family!r}): set "
+                             f"recast.positives to a folder of images from a stronger generator "
+                             f"in GenEval's output layout (<folder>/<NNNNN>/metadata.jsonl and "
+                             f"samples/*.png), or use weighting 'static'")
         return self
 
     def derived(self) -> dict[str, Any]:
@@ -286,7 +295,8 @@ class Recipe(_Section):
                 "static": f"static budgets {self.recast.budget_map()}",
                 "recast": f"ReCAST Sinkhorn W at budgets {self.recast.budget_map()}, re-estimated "
                           f"every {self.recast.every} iteration(s) on {self.recast.prompts} x "
-                          f"{self.recast.samples_per_prompt} samples"}[self.recast.weighting],
+                          f"{self.recast.samples_per_prompt} samples, positives from "
+                          f"{self.recast.positives}"}[self.recast.weighting],
             "recipe_hash": self.content_hash()[:16],
         }
 

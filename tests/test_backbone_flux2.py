@@ -9,6 +9,7 @@ latent de-normalisation is exercised. The builder lives in `tiny_models.save_flu
 """
 
 import json
+import re
 import shutil
 
 import pytest
@@ -232,3 +233,38 @@ def test_gradient_checkpointing_passes_through(folders):
     backbone = _backbone(folders / "dev")
     backbone.enable_gradient_checkpointing()
     assert backbone.transformer.gradient_checkpointing
+
+
+def _images(n: int = 2) -> torch.Tensor:
+    """Random images [n, 3, SIZE, SIZE] in [0, 1]."""
+    return torch.rand(n, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(7))
+
+
+def test_encode_images_equals_the_pipelines_image_encoding(folders):
+    backbone, images = _backbone(folders / "dev"), _images()
+    x = backbone.encode_images(images)
+    assert x.shape == (2, 16, 8, 8) and x.dtype == torch.float32
+    with torch.no_grad():  # the pipeline preprocesses to [-1, 1] before its helper
+        want = _pipeline(folders / "dev", "dev")._encode_vae_image(images * 2 - 1, generator=None)
+    torch.testing.assert_close(x, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(backbone.encode_images(images[1:]), x[1:], atol=1e-6, rtol=0)
+
+
+def test_decode_inverts_encode_images_up_to_the_vae(folders):
+    """Normalise + patchify undo decode's de-normalise + unpatchify: the round trip is the VAE's
+    own encode-decode of the image."""
+    backbone, images = _backbone(folders / "dev"), _images()
+    vae = backbone.vae
+    with torch.no_grad():
+        z = vae.encode(images * 2 - 1).latent_dist.mode()  # [2, 4, 16, 16]
+        want = (vae.decode(z).sample * 0.5 + 0.5).clamp(0, 1)
+    assert 0.0 < want.mean() < 1.0 and ((want > 0) & (want < 1)).float().mean() > 0.9
+    torch.testing.assert_close(backbone.decode(backbone.encode_images(images)), want,
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, SIZE, 2 * SIZE), (2, 4, SIZE, SIZE), (3, SIZE, SIZE)])
+def test_encode_images_refuses_other_sizes(folders, shape):
+    message = rf"\[N, 3, {SIZE}, {SIZE}\].*got {re.escape(str(shape))}"
+    with pytest.raises(ValueError, match=message):
+        _backbone(folders / "dev").encode_images(torch.rand(shape))

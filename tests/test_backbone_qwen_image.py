@@ -7,11 +7,12 @@ tiny tokenizer's template prefix is not the real one's 34 tokens, so both are to
 The builder lives in `tiny_models.save_qwen_image_pipeline`.
 """
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import QwenImagePipeline
+from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from peft import get_peft_model_state_dict
 from tiny_models import save_qwen_image_pipeline
 from transformers import Qwen2Tokenizer
@@ -213,3 +214,41 @@ def test_bf16_weights_keep_float32_step_math(folder, prefix):
     assert x0.dtype == torch.float32 and backbone.decode(x0).dtype == torch.float32
     reference = sample_ode(_backbone(folder, prefix), PROMPTS, SEEDS, num_steps=3, guidance_scale=2.0)
     torch.testing.assert_close(x0, reference, rtol=0, atol=0.1)  # bf16 rounding only
+
+
+def _images(n: int = 3) -> torch.Tensor:
+    """Random images [n, 3, H, W] in [0, 1]."""
+    return torch.rand(n, 3, H, W, generator=torch.Generator().manual_seed(7))
+
+
+def test_encode_images_equals_the_edit_pipelines_image_encoding(folder, prefix):
+    backbone, images = _backbone(folder, prefix, vae_batch=2), _images()  # two VAE chunks
+    x = backbone.encode_images(images)
+    assert x.shape == (3, 16, 8, 12) and x.dtype == torch.float32
+    parts = QwenImagePipeline.from_pretrained(folder).components
+    edit = QwenImageEditPipeline(**parts, processor=None)
+    with torch.no_grad():  # the pipeline preprocesses to [-1, 1] and adds the frame axis
+        want = edit._encode_vae_image((images * 2 - 1).unsqueeze(2), generator=None)
+    assert want.shape == (3, 4, 1, 16, 24)
+    torch.testing.assert_close(_packed(x), edit._pack_latents(want, 3, 4, 16, 24),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decode_inverts_encode_images_up_to_the_vae(folder, prefix):
+    """Normalise + patchify undo decode's unpatchify + de-normalise: the round trip is the VAE's
+    own encode-decode of the image."""
+    backbone, images = _backbone(folder, prefix), _images()
+    vae = backbone.vae
+    with torch.no_grad():
+        z = vae.encode((images * 2 - 1).unsqueeze(2)).latent_dist.mode()  # [3, 4, 1, 16, 24]
+        want = (vae.decode(z).sample[:, :, 0] * 0.5 + 0.5).clamp(0, 1)
+    assert ((want > 0) & (want < 1)).float().mean() > 0.9
+    torch.testing.assert_close(backbone.decode(backbone.encode_images(images)), want,
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, W, H), (2, 1, H, W), (3, H, W)])
+def test_encode_images_refuses_other_sizes(folder, prefix, shape):
+    message = rf"\[N, 3, {H}, {W}\].*got {re.escape(str(shape))}"
+    with pytest.raises(ValueError, match=message):
+        _backbone(folder, prefix).encode_images(torch.rand(shape))

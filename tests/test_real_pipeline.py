@@ -241,3 +241,43 @@ def test_qwen_image_with_a_remote_soft_tifa_runs_a_full_iteration(tiny, tmp_path
         # the same service under another spelling of its URL is the same scorer: cache hits
         _check_all(store, recipe, _run_all(store, recipe), rerun=moved)
         assert {r["scorer_id"] for r in _rows(store, "atom_scores")} == {scorer_id}
+
+
+def test_flux2_klein_trains_with_recast_weights_from_a_positives_folder(tiny, tmp_path):
+    """ReCAST on a real family: positives from a GenEval-layout folder (images of another size,
+    cropped and resized to the recipe's), encoded with the VAE; the gains stage runs before the
+    epoch and the epoch records step weights with W's marginals. Plumbing only: the random VLM's
+    scores barely differ between images, so the tiny floor keeps its ~1e-5 spreads as signal."""
+    import numpy as np
+    from PIL import Image
+
+    from tasks.recast_gains import read_recast_gains
+
+    folder = tmp_path / "positives"
+    rng = np.random.default_rng(0)
+    for i, record in enumerate(RECORDS):  # every atom type is carried by >= 2 samples
+        (folder / f"{i:05d}" / "samples").mkdir(parents=True)
+        (folder / f"{i:05d}" / "metadata.jsonl").write_text(json.dumps(record) + "\n")
+        for j in range(2):
+            Image.fromarray(rng.integers(0, 256, (80, 96, 3), dtype=np.uint8)).save(
+                folder / f"{i:05d}" / "samples" / f"{j:04d}.png")
+    base = _recipe(tiny, "flux2", _soft_tifa(tiny))
+    dump = base.model_dump(mode="json")
+    dump["recast"] = {"weighting": "recast", "positives": str(folder), "prompts": 5,
+                      "samples_per_prompt": 2, "variance_floor": 1e-12}
+    recipe = parse_recipe(dump, "<tiny flux2 recast recipe>")
+    store = Store(tmp_path / "store")
+    refs = run_iteration(store, recipe, 0)
+    gains = read_recast_gains(store, refs["recast_gains"])
+    # every sample (5 prompts x 2) carries objects; only the last prompt a relation
+    assert gains.n_positive.tolist() == gains.n_policy.tolist()
+    assert gains.n_positive[0] == 10 and gains.n_positive[-1] == 2
+    assert torch.isfinite(gains.W).all()
+    torch.testing.assert_close(gains.W.sum(dim=1), gains.budgets, rtol=0, atol=1e-6)
+    steps = _rows(store, "train_steps")
+    weights = [json.loads(r["reward_step_weights_json"]) for r in steps]
+    assert weights and all(w == weights[0] for w in weights)
+    k = recipe.window.size
+    for t in weights[0]:  # each type's weights over the window average lambda_k / mean = 1
+        assert len(weights[0][t]) == k and abs(sum(weights[0][t]) / k - 1.0) < 1e-6
+    assert run_iteration(store, recipe, 0)["recast_gains"].skipped

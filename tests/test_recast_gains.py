@@ -3,11 +3,13 @@ gets its weight there, a flat kernel is the static weighting, and the stage on t
 base model writes finite, balanced weights and a plot, and is cached."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from cast_core.csg_parser import graph_from_geneval
 from cast_core.recast_gains import (
@@ -23,9 +25,18 @@ from cast_core.recast_gains import (
 from cast_core.shapes.prompts import make_record
 from cast_core.shapes.verifier import verify
 from tasks.models import load_policy, lora_tensors
-from tasks.recast_gains import RecastConfig, positive_images, read_recast_gains
+from tasks.recast_gains import (
+    PositiveFolderError,
+    RecastConfig,
+    load_images,
+    positive_images,
+    read_positive_folder,
+    read_recast_gains,
+)
 from tasks.recast_gains import recast_gains as recast_stage
 from tasks.recipe import load_recipe
+from tasks.schemas import prompt_id
+from tasks.stage import derive_seed
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,3 +231,107 @@ def test_stage_on_the_real_base_writes_balanced_finite_weights_and_is_cached(tmp
     assert not again.skipped
     torch.testing.assert_close(read_recast_gains(store, again).divergence, result.divergence,
                                rtol=1e-4, atol=1e-6)
+
+
+# positives from a folder (GenEval's output layout) ----------------------------------------------
+
+def _write_folder(root: Path, records: list[dict], images: list[list[np.ndarray]]) -> Path:
+    """<root>/<NNNNN>/metadata.jsonl + samples/<NNNN>.png, as GenEval's generation script writes."""
+    for i, (record, imgs) in enumerate(zip(records, images, strict=True)):
+        sub = root / f"{i:05d}"
+        (sub / "samples").mkdir(parents=True)
+        (sub / "metadata.jsonl").write_text(json.dumps(record) + "\n")
+        for j, img in enumerate(imgs):
+            Image.fromarray(img).save(sub / "samples" / f"{j:04d}.png")
+    return root
+
+
+def _renderer_scenes(recipe, m: int) -> list[list[np.ndarray]]:
+    """The exact scenes the renderer source draws for RECORDS x m (same seeds), as uint8 HWC."""
+    out = []
+    for r in RECORDS:
+        seeds = [derive_seed(recipe.run.seed, "recast-scene", prompt_id(r["prompt"]), j)
+                 for j in range(m)]
+        imgs = positive_images([r] * m, seeds)  # [m, 3, H, W] in [0, 1]
+        out.append([(x.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8) for x in imgs])
+    return out
+
+
+def test_a_folder_holding_the_renderers_scenes_gives_the_renderers_gains(tmp_path):
+    recipe, store = _recipe(tmp_path), Store(tmp_path / "store")
+    config = RecastConfig(prompts=3, samples_per_prompt=2)
+    from_renderer = read_recast_gains(store, recast_stage(store, recipe, 0, config))
+    folder = _write_folder(tmp_path / "positives", RECORDS, _renderer_scenes(recipe, 2))
+    ref = recast_stage(store, recipe, 0, replace(config, positives=str(folder)))
+    assert not ref.skipped  # another source is another cache entry
+    from_folder = read_recast_gains(store, ref)
+    torch.testing.assert_close(from_folder.divergence, from_renderer.divergence, rtol=0, atol=0)
+    torch.testing.assert_close(from_folder.W, from_renderer.W, rtol=0, atol=0)
+    # an edited image is new data: the stage runs again and the gains move
+    img = np.array(Image.open(folder / "00000" / "samples" / "0000.png"))
+    Image.fromarray(255 - img).save(folder / "00000" / "samples" / "0000.png")
+    edited = recast_stage(store, recipe, 0, replace(config, positives=str(folder)))
+    assert not edited.skipped
+    assert not torch.equal(read_recast_gains(store, edited).divergence, from_folder.divergence)
+
+
+def test_a_folder_with_fewer_images_fits_what_it_has(tmp_path):
+    recipe, store = _recipe(tmp_path), Store(tmp_path / "store")
+    scenes = _renderer_scenes(recipe, 2)
+    folder = _write_folder(tmp_path / "positives", RECORDS, [scenes[0], scenes[1], scenes[2][:1]])
+    ref = recast_stage(store, recipe, 0, RecastConfig(prompts=3, samples_per_prompt=2,
+                                                      positives=str(folder)))
+    result = read_recast_gains(store, ref)
+    # samples with the type: object all (2 + 2 + 1 positives, 3 x 2 policy samples); count and
+    # attribute the first two prompts; relation the first
+    assert result.n_positive.tolist() == [5, 4, 4, 2]
+    assert result.n_policy.tolist() == [6, 4, 4, 2]
+    _assert_marginals(result.W, torch.full((4,), 0.25, dtype=torch.float64))
+
+
+def test_load_images_crops_to_the_aspect_and_resizes(tmp_path):
+    wide = np.zeros((40, 80, 3), np.uint8)
+    wide[:, 20:60] = (255, 0, 0)  # the centre square is red, the side bands black
+    Image.fromarray(wide).save(tmp_path / "wide.png")
+    out = load_images([tmp_path / "wide.png"], 32, 32)
+    assert out.shape == (1, 3, 32, 32) and out.dtype == torch.float32
+    assert out[0, 0].min() > 0.95 and out[0, 1:].max() < 0.05  # only the red centre is kept
+
+
+@pytest.mark.parametrize(("breakage", "message"), [
+    ("no-metadata", "no metadata.jsonl"),
+    ("bad-json", "not valid JSON"),
+    ("no-include", "'include' clauses"),
+    ("no-images", "no images"),
+    ("empty", "has no prompt folders"),
+    ("missing", "is not a folder"),
+])
+def test_a_malformed_positives_folder_is_refused_naming_the_path(tmp_path, breakage, message):
+    img = np.zeros((32, 32, 3), np.uint8)
+    folder = _write_folder(tmp_path / "pos", RECORDS[:2], [[img], [img]])
+    sub = folder / "00001"
+    if breakage == "no-metadata":
+        (sub / "metadata.jsonl").unlink()
+    elif breakage == "bad-json":
+        (sub / "metadata.jsonl").write_text("{not json\n")
+    elif breakage == "no-include":
+        (sub / "metadata.jsonl").write_text(json.dumps({"prompt": "a photo of a cat"}) + "\n")
+    elif breakage == "no-images":
+        (sub / "samples" / "0000.png").unlink()
+    elif breakage == "empty":
+        folder = tmp_path / "empty"
+        folder.mkdir()
+    else:
+        folder = tmp_path / "nowhere"
+    with pytest.raises(PositiveFolderError, match=message) as err:
+        read_positive_folder(folder)
+    assert str(folder) in str(err.value)
+
+
+def test_recipe_needs_a_positives_folder_for_recast_on_real_families(tmp_path):
+    base = REPO / "data" / "recipes" / "flux2-klein-cast.toml"
+    with pytest.raises(ValueError, match="set recast.positives to a folder"):
+        load_recipe(base, {"recast.weighting": "recast"})
+    recipe = load_recipe(base, {"recast.weighting": "recast", "recast.positives": str(tmp_path)})
+    assert recipe.recast.positives == str(tmp_path)
+    assert str(tmp_path) in recipe.derived()["reward_step_weights"]

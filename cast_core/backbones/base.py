@@ -57,3 +57,7 @@ class Backbone(Protocol):
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents [N, C, h, w] -> images [N, 3, H, W] in [0, 1], float32."""
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [N, 3, H, W] in [0, 1] -> latents [N, C, h, w] float32, deterministic; `decode`
+        maps them back (exactly in pixel space, up to the VAE's reconstruction error otherwise)."""

@@ -21,11 +21,14 @@ the pipelines' `__call__` does, reusing their static helpers:
 - **Noise**: `initial_noise` is `prepare_latents` with a list of CPU generators (`randn_tensor`):
   one [1, C, h, w] draw per seed in the weights' dtype (bf16 draws are not rounded fp32 draws).
 - **Decode**: undo the VAE batch-norm (running stats), unpatchify, `vae.decode`, [-1, 1] -> [0, 1].
+- **Encode** (`encode_images`, decode's inverse path): [0, 1] -> [-1, 1], `vae.encode`, the
+  latent distribution's mode, patchify 2×2, batch-norm normalise: `Flux2Pipeline._encode_vae_image`
+  (how the pipeline encodes conditioning images) on the pipeline's preprocessed image 2 x - 1.
 
 Departures (bf16 only; in fp32 sampling equals the pipeline to float rounding): the state x and
-the step math stay float32 (the pipeline keeps latents in the weights' dtype), the CFG combination
-and decode's de-normalisation are float32. Image conditioning and caption upsampling are left out.
-Prompt encoding and its cache live in `flux2_text`.
+the step math stay float32 (the pipeline keeps latents in the weights' dtype), the CFG combination,
+decode's de-normalisation and encode's normalisation are float32. Image conditioning and caption
+upsampling are left out. Prompt encoding and its cache live in `flux2_text`.
 """
 
 from __future__ import annotations
@@ -128,6 +131,13 @@ def _check_scheduler(config: dict) -> None:
         raise ValueError("the scheduler config asks for stochastic_sampling or invert_sigmas; the "
                          "backbone's Euler step reproduces only the deterministic scheduler step. "
                          "Set both to false in scheduler/scheduler_config.json")
+
+
+def _check_image_size(images: torch.Tensor, height: int, width: int) -> None:
+    if images.ndim != 4 or tuple(images.shape[1:]) != (3, height, width):
+        raise ValueError(f"encode_images takes images [N, 3, {height}, {width}] (the backbone's "
+                         f"height × width); got {tuple(images.shape)}: resize them to "
+                         f"{height}×{width} or build the backbone for their size")
 
 
 class Flux2Backbone(torch.nn.Module):
@@ -304,6 +314,20 @@ class Flux2Backbone(torch.nn.Module):
         z = Flux2Pipeline._unpatchify_latents(z * std + mean).to(self.vae.dtype)  # [N, C/4, 2h, 2w]
         image = self.vae.decode(z, return_dict=False)[0]  # [N, 3, H, W] in [-1, 1]
         return (image.float() * 0.5 + 0.5).clamp(0.0, 1.0)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [N, 3, H, W] in [0, 1] (H × W the configured size) -> latents [N, C, h, w]
+        float32 on the model's device; `decode` maps them back up to the VAE's reconstruction
+        error. The mode of the latent distribution, so deterministic."""
+        _check_image_size(images, self.config.height, self.config.width)
+        bn = self.vae.bn
+        pixels = (images.float() * 2.0 - 1.0).to(bn.running_mean.device, self.vae.dtype)
+        z = self.vae.encode(pixels).latent_dist.mode()  # [N, C/4, 2h, 2w]
+        z = Flux2Pipeline._patchify_latents(z.float())  # [N, C, h, w]
+        mean = bn.running_mean.float().view(1, -1, 1, 1)
+        std = torch.sqrt(bn.running_var.float().view(1, -1, 1, 1) + self.vae.config.batch_norm_eps)
+        return ((z - mean) / std).to(self.device)
 
     # training helpers ------------------------------------------------------------------------
     def enable_gradient_checkpointing(self) -> None:

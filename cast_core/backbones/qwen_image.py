@@ -25,10 +25,14 @@ Prompt encoding and its cache live in `qwen_image_text`. What follows is adapted
   v * |v_c| / |v| (norm over the 4z channels), as the pipeline does; two transformer calls.
 - **Decode**: unpatchify, de-normalise x * latents_std + latents_mean, add the frame axis,
   `vae.decode`, take frame 0, map [-1, 1] to [0, 1].
+- **Encode** (`encode_images`, decode's inverse path): [0, 1] -> [-1, 1], add the frame axis,
+  `vae.encode`, the latent distribution's mode, normalise (z - latents_mean) / latents_std, drop
+  the frame axis, patchify: `QwenImageEditPipeline._encode_vae_image` (argmax mode; the img2img
+  pipeline's helper samples instead) on the pipeline's preprocessed image 2 x - 1.
 
 Precision departures: weights may be bf16, but latents, the CFG combination and the
-de-normalisation stay float32 (the pipeline keeps latents in the model dtype); the transformer sees
-its input cast to its dtype and `velocity` returns float32.
+(de-)normalisation stay float32 (the pipeline keeps latents in the model dtype); the transformer
+sees its input cast to its dtype and `velocity` returns float32.
 """
 
 from __future__ import annotations
@@ -70,6 +74,13 @@ class QwenImageConfig:
         for name in ("height", "width", "vae_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"QwenImageConfig.{name} must be >= 1; got {getattr(self, name)}")
+
+
+def _check_image_size(images: Tensor, height: int, width: int) -> None:
+    if images.ndim != 4 or tuple(images.shape[1:]) != (3, height, width):
+        raise ValueError(f"encode_images takes images [N, 3, {height}, {width}] (the backbone's "
+                         f"height × width); got {tuple(images.shape)}: resize them to "
+                         f"{height}×{width} or build the backbone for their size")
 
 
 class QwenImageBackbone(torch.nn.Module):
@@ -242,3 +253,21 @@ class QwenImageBackbone(torch.nn.Module):
             frames = self.vae.decode(z.to(vae_device, self.vae.dtype), return_dict=False)[0]
             images.append((frames[:, :, 0].float() * 0.5 + 0.5).clamp(0.0, 1.0))  # [n, 3, H, W]
         return torch.cat(images).to(x.device)
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """Images [N, 3, H, W] in [0, 1] (H × W the configured size) -> latents [N, 4z, h, w]
+        float32 on the model's device; `decode` maps them back up to the VAE's reconstruction
+        error. The mode of the latent distribution, so deterministic."""
+        _check_image_size(images, self.config.height, self.config.width)
+        cfg = self.vae.config
+        vae_device = next(self.vae.parameters()).device
+        mean = torch.tensor(cfg.latents_mean, device=vae_device).view(1, cfg.z_dim, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=vae_device).view(1, cfg.z_dim, 1, 1, 1)
+        latents = []
+        for chunk in images.float().split(self.config.vae_batch):
+            pixels = (chunk * 2.0 - 1.0).unsqueeze(2)  # [n, 3, 1, H, W] in [-1, 1]
+            pixels = pixels.to(vae_device, self.vae.dtype)
+            z = self.vae.encode(pixels).latent_dist.mode().float()  # [n, z, 1, H/f, W/f]
+            latents.append(F.pixel_unshuffle(((z - mean) / std)[:, :, 0], 2))  # [n, 4z, h, w]
+        return torch.cat(latents).to(self.device)
