@@ -115,8 +115,21 @@ def test_arms_are_at_equal_budget_and_differ_only_where_meant(tmp_path):
     late = recipes["cast-late-window"]
     assert (late.window.mode, late.window.start, late.window.size) == ("fixed", 6, 3)
     assert late.advantage == recipes["cast"].advantage
+    for name, overrides, _ in bm.FIXES:  # one change each to the cast arm
+        fixed = recipes[name]
+        assert fixed.window == recipes["cast"].window
+        changed = {f"{sec}.{k}" for sec in ("advantage", "train")
+                   for k, v in getattr(fixed, sec).model_dump().items()
+                   if v != getattr(recipes["cast"], sec).model_dump()[k]}
+        assert changed == set(overrides), name
     with pytest.raises(ValueError, match="suite"):
         bm.arms("recast")
+    assert [a.name for a in bm.select_arms("all", ["cast", "flowgrpo"])] == ["flowgrpo", "cast"]
+    for bad in (["cast"], ["flowgrpo", "nope"]):
+        with pytest.raises(ValueError, match="must name arms"):
+            bm.select_arms("all", bad)
+    probe = bm.recipe_for(bm.arms()[1], 1, bm.QUICK, splits, "t-probe", 1, lr=1e-2)
+    assert probe.train.lr == 1e-2 and recipes["cast"].train.lr != 1e-2
     assert recipes["cast"].prompts.per_iteration == bm.QUICK.per_iteration
     other = bm.recipe_for(bm.arms()[1], 2, bm.QUICK, splits, "t-other", 1)
     with pytest.raises(ValueError, match="seed"):
@@ -135,10 +148,11 @@ def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, m
         assert (tmp_path / "report" / name).stat().st_size > 1000
         assert f"]({name})" in report
     arms = ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map", "cast-late-window",
-            "recast-equal", "static-skewed", "recast-skewed")
+            *(name for name, _, _ in bm.FIXES), "recast-equal", "static-skewed", "recast-skewed")
     for arm in arms:
         assert f"| {arm} |" in report
-    assert "## ReCAST" in report
+    assert "## ReCAST" in report and "## Training diagnostics" in report
+    assert "## What was tried" in report
     for arm in ("recast-equal", "recast-skewed"):
         assert (tmp_path / "report" / f"gains-{arm}-it0.png").stat().st_size > 1000
     from tasks.store import Store
