@@ -5,7 +5,9 @@ Reproduce the committed base model (see data/base/README.md for the figures of t
     .venv/bin/python -m flows.pretrain_shapes --steps 8000 --out data/base/shapes-base
 
 It resumes from `--work-dir` if a previous run was interrupted. `--no-prefect` runs the same task
-function without starting a Prefect API server.
+function without starting a Prefect API server. `--patch-size` and `--layers` change the
+transformer (defaults: the committed model's, `ShapesBackboneConfig`); they apply to a run from
+scratch (`--init-from` keeps the loaded model's architecture).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ def pretrain_shapes_flow(train_file: str, out_dir: str, work_dir: str, steps: in
                          stop_after: int | None = None, init_from: str | None = None,
                          lr: float = PretrainConfig.lr, warmup_steps: int = PretrainConfig.warmup_steps,
                          t_shift: float = PretrainConfig.t_shift,
-                         snapshot_every: int | None = None) -> dict:
+                         snapshot_every: int | None = None, model: dict | None = None) -> dict:
     config = PretrainConfig(steps=steps, batch_size=batch_size, seed=seed, lr=lr,
                             warmup_steps=warmup_steps, t_shift=t_shift)
-    return pretrain_shapes_task(train_file, out_dir, work_dir, config, ShapesBackboneConfig(),
+    return pretrain_shapes_task(train_file, out_dir, work_dir, config,
+                                ShapesBackboneConfig(**(model or {})),
                                 threads=threads, stop_after=stop_after, init_from=init_from,
                                 snapshot_every=snapshot_every)
 
@@ -52,13 +55,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="SD3 time shift of the training t distribution (>1: more high noise)")
     parser.add_argument("--snapshot-every", type=int, default=None,
                         help="also save the EMA weights as work-dir/ema-<step> every N steps")
+    parser.add_argument("--patch-size", type=int, default=ShapesBackboneConfig.patch_size,
+                        help="transformer patch size in pixels (a divisor of the image size)")
+    parser.add_argument("--layers", type=int, default=ShapesBackboneConfig.num_layers,
+                        help="transformer joint blocks")
     parser.add_argument("--no-prefect", action="store_true")
     args = parser.parse_args(argv)
+    model = {"patch_size": args.patch_size, "num_layers": args.layers}
+    if args.init_from and model != {"patch_size": ShapesBackboneConfig.patch_size,
+                                    "num_layers": ShapesBackboneConfig.num_layers}:
+        parser.error("--patch-size/--layers shape a model trained from scratch; --init-from "
+                     "keeps the loaded model's architecture: drop one of them")
     if args.no_prefect:
         config = PretrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                                 lr=args.lr, warmup_steps=args.warmup_steps, t_shift=args.t_shift)
         result = pretrain_shapes(args.train_file, args.out, args.work_dir, config,
-                                 ShapesBackboneConfig(), threads=args.threads,
+                                 ShapesBackboneConfig(**model), threads=args.threads,
                                  stop_after=args.stop_after, init_from=args.init_from,
                                  snapshot_every=args.snapshot_every)
     else:
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             batch_size=args.batch_size, seed=args.seed, threads=args.threads,
             stop_after=args.stop_after, init_from=args.init_from, lr=args.lr,
             warmup_steps=args.warmup_steps, t_shift=args.t_shift,
-            snapshot_every=args.snapshot_every)
+            snapshot_every=args.snapshot_every, model=model)
     print(result)
 
 

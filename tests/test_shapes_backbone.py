@@ -143,3 +143,19 @@ def test_init_from_continues_from_saved_weights(tmp_path, tiny):
     start = tiny.state_dict()
     # a vanishing learning rate keeps the weights where they started (not a fresh random init)
     assert all(torch.allclose(out[k], start[k], atol=1e-6) for k in start)
+
+
+def test_pretrain_command_sets_the_architecture_and_refuses_it_with_init_from(tmp_path):
+    from flows.pretrain_shapes import main
+
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text(json.dumps(RECORD) + "\n")
+    common = ["--no-prefect", "--train-file", str(prompts), "--steps", "1", "--batch-size", "2",
+              "--warmup-steps", "1", "--threads", "1"]
+    main([*common, "--patch-size", "2", "--layers", "1", "--out", str(tmp_path / "out"),
+          "--work-dir", str(tmp_path / "w")])
+    model = ShapesBackbone.from_pretrained(tmp_path / "out")
+    assert (model.config.patch_size, model.config.num_layers) == (2, 1)
+    with pytest.raises(SystemExit):
+        main([*common, "--patch-size", "2", "--init-from", str(tmp_path / "out"),
+              "--out", str(tmp_path / "out2"), "--work-dir", str(tmp_path / "w2")])
