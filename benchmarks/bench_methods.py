@@ -17,7 +17,8 @@ Run it from the repository root. Arms (every one from the committed base model):
 With `--suite all` (the default), the fixes the issue asks to try when CAST does not win, each
 one change to the cast arm (`FIXES`): cast-no-global (`advantage.global_weight = 0`),
 cast-std-floor (atom group std floored at 0.1, so near-tied atoms get small advantages instead of
-unit-variance noise), cast-tight-clip (per-position clip range 0.01); and the ReCAST comparison
+unit-variance noise), cast-tight-clip (per-position clip range 0.01), cast-peak-norm (heatmaps
+scaled to peak 1 instead of mean 1, `advantage.heatmap_norm`); and the ReCAST comparison
 (issue 7; rewards = atom types):
 - recast-equal: cast with `recast.weighting = "recast"` at equal budgets (its static counterpart
   is cast itself: static weights at equal budgets are 1, CAST's map);
@@ -104,7 +105,9 @@ FIXES = (("cast-no-global", {"advantage.global_weight": 0.0},
          ("cast-std-floor", {"advantage.std_floor": 0.1},
           "cast with atom group std floored at 0.1 (near-tied atoms get small advantages)"),
          ("cast-tight-clip", {"train.clip_range": 0.01},
-          "cast with per-position clip range 0.01 instead of 0.032"))
+          "cast with per-position clip range 0.01 instead of 0.032"),
+         ("cast-peak-norm", {"advantage.heatmap_norm": "peak"},
+          "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"))
 # ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
 RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
 ATOM_TYPES = ("object", "count", "attribute", "relation")

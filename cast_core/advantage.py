@@ -25,6 +25,9 @@ Pixel map, for one sample and its valid atoms a (heatmaps H_a >= 0 on an H x W g
     A_bar       = mean_a A_a
     M(u)        = (1/|A_valid|) sum_a A_a H~_a(u) + global_weight * (1 - coverage(u)) * A_bar
     M(u)       <- clamp(M(u), -clip, clip);   mass = mean_u |M(u)|.
+With `heatmap_norm = "peak"` (an option, not DESIGN.md's) H~_a = Hn_a: an atom's credit is at
+most A_a per pixel whatever its region's area, instead of being concentrated as A_a / area on a
+small region (the mass normalisation above, whose clamp then cuts small objects' credit).
 An all-zero heatmap is treated as uniform (H~ = 1 and coverage 1 everywhere): an atom the scorer
 could not ground credits the whole image. A sample with no valid atom gets M = 0. A uniform
 heatmap with one atom gives M = A_a exactly (Hn is exactly 1, so no rounding enters).
@@ -51,6 +54,8 @@ pixels its window touches, which for integer factors is nearest-neighbour replic
 
 from dataclasses import dataclass
 from typing import Literal
+
+HeatmapNorm = Literal["mass", "peak"]
 
 import torch
 import torch.nn.functional as F
@@ -205,10 +210,13 @@ def _atom_weights(advantages: Tensor, atom_mask: Tensor) -> Tensor:
 
 
 def _grouped_maps(
-    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, onehot: Tensor, global_weight: float
+    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, onehot: Tensor, global_weight: float,
+    heatmap_norm: HeatmapNorm = "mass",
 ) -> tuple[Tensor, Tensor]:
     """(unclamped maps M_T [N, T, H, W], coverage [N, H, W]); onehot [N, A, T] puts atoms in
     groups (module docstring)."""
+    if heatmap_norm not in ("mass", "peak"):
+        raise ValueError(f"heatmap_norm must be 'mass' or 'peak'; got {heatmap_norm!r}")
     valid = atom_mask[:, :, None, None]  # [N, A, 1, 1]
     h = torch.where(valid, heatmaps, torch.ones_like(heatmaps))  # [N, A, H, W]
     if not torch.isfinite(h).all() or (h < 0).any():
@@ -217,7 +225,7 @@ def _grouped_maps(
     h = h.to(dtype)
     peak = h.amax(dim=(-2, -1), keepdim=True)  # [N, A, 1, 1]
     hn = torch.where(peak > 0, h / peak.clamp_min(torch.finfo(dtype).tiny), 1.0)  # [N, A, H, W]
-    h_tilde = hn / hn.mean(dim=(-2, -1), keepdim=True)  # [N, A, H, W]
+    h_tilde = hn / hn.mean(dim=(-2, -1), keepdim=True) if heatmap_norm == "mass" else hn
     coverage = torch.where(valid, hn, 0.0).amax(dim=1)  # [N, H, W]
     w = _atom_weights(advantages.to(dtype), atom_mask)[:, :, None] * onehot.to(dtype)  # [N, A, T]
     atom_term = torch.einsum("nat,nahw->nthw", w, h_tilde)  # [N, T, H, W]
@@ -226,14 +234,16 @@ def _grouped_maps(
 
 
 def pixel_advantage_map(
-    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, global_weight: float, clip: float
+    advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, global_weight: float, clip: float,
+    heatmap_norm: HeatmapNorm = "mass",
 ) -> PixelMap:
     """Project atom advantages [N, A] through heatmaps [N, A, H, W] (>= 0); see module docstring."""
     _check_map_inputs(advantages, heatmaps, atom_mask)
     if clip <= 0:
         raise ValueError(f"clip must be > 0, got {clip}; use e.g. 5.0")
     one_group = atom_mask[:, :, None]  # [N, A, 1]
-    m, coverage = _grouped_maps(advantages, heatmaps, atom_mask, one_group, global_weight)
+    m, coverage = _grouped_maps(advantages, heatmaps, atom_mask, one_group, global_weight,
+                                heatmap_norm)
     has_atoms = atom_mask.any(dim=1)[:, None, None]  # [N, 1, 1]
     m = torch.where(has_atoms, m[:, 0].clamp(-clip, clip), 0.0)  # [N, H, W]
     return PixelMap(m, coverage, m.abs().mean(dim=(-2, -1)))
@@ -246,6 +256,7 @@ def grouped_advantage_maps(
     groups: Tensor,
     num_groups: int,
     global_weight: float,
+    heatmap_norm: HeatmapNorm = "mass",
 ) -> Tensor:
     """Group T's share of the unclamped pixel map -> [N, T, H, W] (module docstring): advantages
     [N, A], heatmaps [N, A, H, W], atom_mask [N, A], groups [N, A] int64 in [0, num_groups) at
@@ -259,7 +270,7 @@ def grouped_advantage_maps(
         raise ValueError(f"groups at valid atoms must lie in [0, num_groups={num_groups}); got "
                          f"values {sorted(set(g[atom_mask].tolist()))}")
     onehot = F.one_hot(g, num_groups) * atom_mask[:, :, None]  # [N, A, T]
-    return _grouped_maps(advantages, heatmaps, atom_mask, onehot, global_weight)[0]
+    return _grouped_maps(advantages, heatmaps, atom_mask, onehot, global_weight, heatmap_norm)[0]
 
 
 def step_weighted_maps(group_maps: Tensor, weights: Tensor, clip: float) -> Tensor:

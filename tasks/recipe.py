@@ -22,7 +22,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -32,7 +32,11 @@ class RecipeError(ValueError):
 
 
 class _Section(BaseModel):
+    """`hash_if_set`: fields added after stores existed; `section_hash` leaves them out while they
+    hold their default, so adding one does not invalidate every cached stage."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+    hash_if_set: ClassVar[tuple[str, ...]] = ()
 
 
 class RunSection(_Section):
@@ -162,7 +166,10 @@ class AdvantageSection(_Section):
     (ablation: CAST's gated atom z-scores without the pixel projection; each sample's map is the
     constant mean of its atoms' advantages, clamped to `clip`, trained through the spatial loss).
     `gate_by_parents`, `global_weight` and `clip` shape the atom kinds; `reward` and
-    `scalar_mode` the scalar one; `std_floor` bounds every group std."""
+    `scalar_mode` the scalar one; `std_floor` bounds every group std; `heatmap_norm` "mass"
+    (each heatmap rescaled to mean 1, DESIGN.md) or "peak" (to peak 1; `cast_core.advantage`)."""
+
+    hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm",)
 
     kind: Literal["spatial", "scalar", "atom"]
     gate_by_parents: bool = True
@@ -171,6 +178,7 @@ class AdvantageSection(_Section):
     reward: Literal["mean", "geometric"] = "mean"
     scalar_mode: Literal["group", "global_std"] = "group"
     std_floor: float = Field(1e-4, gt=0.0)
+    heatmap_norm: Literal["mass", "peak"] = "mass"
 
 
 class TrainSection(_Section):
@@ -310,6 +318,11 @@ class Recipe(_Section):
     def section_hash(self, *names: str) -> str:
         """sha256 of the canonical JSON of some sections (a stage's config part of its key)."""
         dump = self.model_dump(mode="json")
+        for n in names:
+            section = getattr(self, n)
+            for field in section.hash_if_set:
+                if getattr(section, field) == type(section).model_fields[field].default:
+                    del dump[n][field]
         text = json.dumps({n: dump[n] for n in names}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 

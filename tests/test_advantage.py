@@ -242,3 +242,37 @@ def test_group_maps_reject_groups_out_of_range():
     grouped_advantage_maps(adv, heat, mask, torch.tensor([[1, 7]]), 2, 0.0)  # padding ignored
     with pytest.raises(ValueError, match="int64"):
         grouped_advantage_maps(adv, heat, mask, torch.tensor([[1.0, 0.0]]), 2, 0.0)
+
+
+def test_peak_normalisation_credits_a_small_region_at_the_atoms_advantage():
+    # one atom grounded on a 2 x 2 region of a 6 x 6 image (area 1/9), no global term
+    heat = torch.zeros(1, 1, 6, 6)
+    heat[0, 0, 1:3, 2:4] = 0.4
+    adv, mask = torch.tensor([[1.5]]), torch.ones(1, 1, dtype=torch.bool)
+    inside = torch.zeros(6, 6, dtype=torch.bool)
+    inside[1:3, 2:4] = True
+    mass = pixel_advantage_map(adv, heat, mask, global_weight=0.0, clip=100.0).map[0]
+    peak = pixel_advantage_map(adv, heat, mask, global_weight=0.0, clip=100.0,
+                               heatmap_norm="peak").map[0]
+    torch.testing.assert_close(mass[inside], torch.full((4,), 1.5 * 9))  # A / area
+    torch.testing.assert_close(peak[inside], torch.full((4,), 1.5))  # A, whatever the area
+    assert torch.equal(mass[~inside], torch.zeros(32)) and torch.equal(peak[~inside],
+                                                                       torch.zeros(32))
+    # a uniform heatmap is the same map under both
+    flat = torch.full((1, 1, 6, 6), 0.2)
+    assert torch.equal(pixel_advantage_map(adv, flat, mask, 0.5, 5.0, "peak").map,
+                       pixel_advantage_map(adv, flat, mask, 0.5, 5.0).map)
+    with pytest.raises(ValueError, match="heatmap_norm"):
+        pixel_advantage_map(adv, heat, mask, 0.0, 5.0, heatmap_norm="area")
+
+
+def test_peak_group_maps_sum_to_the_peak_map():
+    torch.manual_seed(6)
+    heat, adv = torch.rand(2, 4, 8, 8), 2 * torch.randn(2, 4)
+    heat[0, 1, :5] = 0.0
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    groups = torch.randint(0, 4, (2, 4))
+    maps = grouped_advantage_maps(adv, heat, mask, groups, 4, 0.7, heatmap_norm="peak")
+    unclamped = pixel_advantage_map(adv, heat, mask, 0.7, 1e9, heatmap_norm="peak").map
+    torch.testing.assert_close(maps.sum(dim=1), unclamped)
+    assert not torch.allclose(unclamped, pixel_advantage_map(adv, heat, mask, 0.7, 1e9).map)

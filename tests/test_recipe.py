@@ -217,3 +217,19 @@ def test_real_model_fields_accepted_when_complete():
                               "builder.model": "qwen", "window.embedder": "clip"})
     assert recipe.backbone.width == 384 and recipe.scorer.url.endswith("8765")
     assert recipe.builder.max_tries == 3 and recipe.builder.cache_dir == "runs/cache/csg_llm"
+
+
+def test_a_later_field_at_its_default_leaves_the_stage_keys_unchanged():
+    """Fields added after stores existed (`hash_if_set`) enter `section_hash` only when set, so
+    cached stages stay valid; set away from the default, they change the key."""
+    import hashlib
+    import json
+
+    recipe = load_recipe(RECIPES / "shapes-cast.toml")
+    dump = recipe.model_dump(mode="json")["advantage"]
+    assert dump.pop("heatmap_norm") == "mass"
+    before = hashlib.sha256(json.dumps({"advantage": dump}, sort_keys=True,
+                                       separators=(",", ":")).encode()).hexdigest()
+    assert recipe.section_hash("advantage") == before
+    peak = load_recipe(RECIPES / "shapes-cast.toml", {"advantage.heatmap_norm": "peak"})
+    assert peak.section_hash("advantage") != before
