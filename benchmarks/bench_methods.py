@@ -650,7 +650,9 @@ WHAT_WAS_TRIED = """## What was tried (earlier runs)
 
    lr 3e-3 is where both methods move without the clip dominating; the shapes recipes now use
    it, and the three CAST fixes became arms of this benchmark (cast-no-global, cast-std-floor,
-   cast-tight-clip) so they are measured over seeds, not judged from one.
+   cast-tight-clip) so they are measured over seeds, not judged from one; a fourth,
+   cast-peak-norm (the heatmap normalisation, the issue's remaining suggestion), was added
+   without a probe.
 3. **A later window** (cast-late-window, fixed at steps [6, 9) where ReCAST's gains say the atom
    types become decidable) was added after the first run: no better at lr 5e-4 (above).
 """
