@@ -116,7 +116,7 @@ def test_recipe_validates_the_recast_section(tmp_path):
     assert load_recipe(base).recast.weighting == "none"
     with pytest.raises(RecipeError, match="advantage.kind = 'spatial'"):
         load_recipe(base, {"recast.weighting": "static", "advantage.kind": "scalar"})
-    with pytest.raises(RecipeError, match="no positive source"):
+    with pytest.raises(RecipeError, match="set recast.positives to a folder"):
         load_recipe("data/recipes/flux2-klein-cast.toml", {"recast.weighting": "recast"})
     with pytest.raises(RecipeError, match="finite value > 0"):
         load_recipe(base, {"recast.weighting": "static", "recast.budgets": {"count": -1.0}})
