@@ -55,11 +55,11 @@ pixels its window touches, which for integer factors is nearest-neighbour replic
 from dataclasses import dataclass
 from typing import Literal
 
-HeatmapNorm = Literal["mass", "peak"]
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+HeatmapNorm = Literal["mass", "peak"]
 
 
 @dataclass(frozen=True)

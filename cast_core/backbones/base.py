@@ -61,3 +61,11 @@ class Backbone(Protocol):
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Images [N, 3, H, W] in [0, 1] -> latents [N, C, h, w] float32, deterministic; `decode`
         maps them back (exactly in pixel space, up to the VAE's reconstruction error otherwise)."""
+
+
+def check_image_size(images: torch.Tensor, height: int, width: int) -> None:
+    """Raise unless images are [N, 3, height, width] (what `encode_images` takes)."""
+    if images.ndim != 4 or tuple(images.shape[1:]) != (3, height, width):
+        raise ValueError(f"encode_images takes images [N, 3, {height}, {width}] (the backbone's "
+                         f"height × width); got {tuple(images.shape)}: resize them to "
+                         f"{height}×{width} or build the backbone for their size")

@@ -49,6 +49,7 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from peft.utils import get_peft_model_state_dict
 from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
+from cast_core.backbones.base import check_image_size
 from cast_core.backbones.flux2_text import (
     Flux2Variant,
     TextEncoding,
@@ -131,13 +132,6 @@ def _check_scheduler(config: dict) -> None:
         raise ValueError("the scheduler config asks for stochastic_sampling or invert_sigmas; the "
                          "backbone's Euler step reproduces only the deterministic scheduler step. "
                          "Set both to false in scheduler/scheduler_config.json")
-
-
-def _check_image_size(images: torch.Tensor, height: int, width: int) -> None:
-    if images.ndim != 4 or tuple(images.shape[1:]) != (3, height, width):
-        raise ValueError(f"encode_images takes images [N, 3, {height}, {width}] (the backbone's "
-                         f"height × width); got {tuple(images.shape)}: resize them to "
-                         f"{height}×{width} or build the backbone for their size")
 
 
 class Flux2Backbone(torch.nn.Module):
@@ -320,7 +314,7 @@ class Flux2Backbone(torch.nn.Module):
         """Images [N, 3, H, W] in [0, 1] (H × W the configured size) -> latents [N, C, h, w]
         float32 on the model's device; `decode` maps them back up to the VAE's reconstruction
         error. The mode of the latent distribution, so deterministic."""
-        _check_image_size(images, self.config.height, self.config.width)
+        check_image_size(images, self.config.height, self.config.width)
         bn = self.vae.bn
         pixels = (images.float() * 2.0 - 1.0).to(bn.running_mean.device, self.vae.dtype)
         z = self.vae.encode(pixels).latent_dist.mode()  # [N, C/4, 2h, 2w]

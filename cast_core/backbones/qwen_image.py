@@ -52,6 +52,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import Tensor
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from cast_core.backbones.base import check_image_size
 from cast_core.backbones.qwen_image_text import (
     PIPELINE_TEMPLATE_START_IDX,
     PromptCache,
@@ -74,13 +75,6 @@ class QwenImageConfig:
         for name in ("height", "width", "vae_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"QwenImageConfig.{name} must be >= 1; got {getattr(self, name)}")
-
-
-def _check_image_size(images: Tensor, height: int, width: int) -> None:
-    if images.ndim != 4 or tuple(images.shape[1:]) != (3, height, width):
-        raise ValueError(f"encode_images takes images [N, 3, {height}, {width}] (the backbone's "
-                         f"height × width); got {tuple(images.shape)}: resize them to "
-                         f"{height}×{width} or build the backbone for their size")
 
 
 class QwenImageBackbone(torch.nn.Module):
@@ -259,7 +253,7 @@ class QwenImageBackbone(torch.nn.Module):
         """Images [N, 3, H, W] in [0, 1] (H × W the configured size) -> latents [N, 4z, h, w]
         float32 on the model's device; `decode` maps them back up to the VAE's reconstruction
         error. The mode of the latent distribution, so deterministic."""
-        _check_image_size(images, self.config.height, self.config.width)
+        check_image_size(images, self.config.height, self.config.width)
         cfg = self.vae.config
         vae_device = next(self.vae.parameters()).device
         mean = torch.tensor(cfg.latents_mean, device=vae_device).view(1, cfg.z_dim, 1, 1, 1)
