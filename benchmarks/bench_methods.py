@@ -18,8 +18,11 @@ With `--suite all` (the default), the fixes the issue asks to try when CAST does
 one change to the cast arm (`FIXES`): cast-no-global (`advantage.global_weight = 0`),
 cast-std-floor (atom group std floored at 0.1, so near-tied atoms get small advantages instead of
 unit-variance noise), cast-tight-clip (per-position clip range 0.01), cast-peak-norm (heatmaps
-scaled to peak 1 instead of mean 1, `advantage.heatmap_norm`); and the ReCAST comparison
-(issue 7; rewards = atom types):
+scaled to peak 1 instead of mean 1, `advantage.heatmap_norm`); two arms that split Flow-GRPO
+from CAST one change at a time (`ONE_CHANGE`, the report's "One change at a time" table of paired
+differences): flowgrpo-calibrated (the scalar reward with CAST's calibrated window) and
+cast-no-map-fixed-window (atom advantages with a constant map in Flow-GRPO's window); and the
+ReCAST comparison (issue 7; rewards = atom types):
 - recast-equal: cast with `recast.weighting = "recast"` at equal budgets (its static counterpart
   is cast itself: static weights at equal budgets are 1, CAST's map);
 - static-skewed / recast-skewed: static and ReCAST weighting at budgets `SKEWED` (count and
@@ -110,6 +113,25 @@ FIXES = (("cast-no-global", {"advantage.global_weight": 0.0},
           "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"))
 # ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
 RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
+# One change at a time: (arm, reference arm, what the arm changes). Each row of the report's
+# "One change at a time" table is the per-seed difference arm - reference (paired: same prompts
+# and noise per seed); pairs whose arms were not run are left out.
+ONE_CHANGE = (
+    ("flowgrpo-calibrated", "flowgrpo", "window: calibrated, not hand-set (scalar reward)"),
+    ("cast", "cast-fixed-window", "window: calibrated, not hand-set (atom maps)"),
+    ("cast-late-window", "cast-fixed-window", "window: fixed [6, 9), not [0, 3) (atom maps)"),
+    ("cast-no-map-fixed-window", "flowgrpo",
+     ("advantage: atom z-scores (constant map, per-position ratio) instead of the scalar reward "
+     "(hand-set window)")),
+    ("cast-no-map", "flowgrpo-calibrated",
+     "advantage: atom z-scores instead of the scalar reward (calibrated window)"),
+    ("cast-fixed-window", "cast-no-map-fixed-window",
+     "map: heatmap projection instead of a constant map (hand-set window)"),
+    ("cast", "cast-no-map", ("map: heatmap projection instead of a constant map (calibrated "
+     "window)")),
+    *((name, "cast", about.removeprefix("cast ")) for name, _, about in FIXES),
+    ("cast", "flowgrpo", "all of CAST at once (the headline comparison)"),
+)
 ATOM_TYPES = ("object", "count", "attribute", "relation")
 
 
@@ -238,8 +260,9 @@ def ratio_bootstrap(numerator: list[float], denominator: list[float], draws: int
 
 
 def arms(suite: str = "all") -> tuple[Arm, ...]:
-    """The five method arms, plus with suite "all" the three fix arms (`FIXES`) and the three
-    ReCAST arms; cast-fixed-window takes the flowgrpo recipe's window section."""
+    """The five method arms, plus with suite "all" the four fix arms (`FIXES`), the two arms
+    that split Flow-GRPO from CAST one change at a time (`ONE_CHANGE`) and the three ReCAST arms;
+    the fixed-window arms take the flowgrpo recipe's window section."""
     from tasks.recipe import load_recipe
 
     if suite not in SUITES:
@@ -257,7 +280,11 @@ def arms(suite: str = "all") -> tuple[Arm, ...]:
     if suite == "methods":
         return methods
     fixes = tuple(Arm(name, CAST_RECIPE, overrides, about) for name, overrides, about in FIXES)
-    return (*methods, *fixes,
+    split = (Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
+                 "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
+             Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
+                 "atom advantages, constant map, Flow-GRPO's window"))
+    return (*methods, *fixes, *split,
             Arm("recast-equal", CAST_RECIPE, {"recast.weighting": "recast"},
                 "cast + ReCAST step weights, equal budgets"),
             Arm("static-skewed", CAST_RECIPE, {"recast.weighting": "static",
@@ -597,6 +624,60 @@ def time_table(sm: Summary, arm_names: list[str]) -> str:
                   "eval per checkpoint (s)", "iteration / flowgrpo"], rows)
 
 
+TARGET_RATIO, TARGET_TIME = 3.0, 1.15  # issue 6: hard-split improvement >= 3x, time <= 1.15x
+
+
+def targets_text(sm: Summary, arm_names: list[str]) -> str:
+    """The issue's targets read off this run, for cast against flowgrpo: the hard-split
+    improvement ratio (both metrics), whether the paired difference is outside the seed
+    interval, and the time ratio per iteration."""
+    if "cast" not in arm_names:
+        return "cast was not run: no verdict on the targets."
+    lines = []
+    for m, label in METRICS:
+        r = sm.ratio[("cast", "hard", m)]
+        d = t_interval([x - y for x, y in zip(sm.improvement[("cast", "hard", m)],
+                                              sm.improvement[(BASELINE, "hard", m)])])
+        met = r.value is not None and r.value >= TARGET_RATIO
+        outside = d.low is not None and (d.low > 0 or d.high < 0)
+        lines.append(
+            f"- Hard split, {label}: cast {signed(sm.interval[('cast', 'hard', m)].mean)}, "
+            f"flowgrpo {signed(sm.interval[(BASELINE, 'hard', m)].mean)}; ratio "
+            f"{ratio_cell(r)} -> target >= {TARGET_RATIO:g}x {'met' if met else 'NOT met'}; "
+            f"paired difference {_interval_cell(d)} -> "
+            f"{'outside' if outside else 'inside'} the seed interval.")
+    t = sm.time_ratio[("cast", "iteration")]
+    lines.append(f"- Time per iteration: cast / flowgrpo = {t:.3f} (median of medians) -> target "
+                 f"<= {TARGET_TIME:g} {'met' if t <= TARGET_TIME else 'NOT met'}.")
+    return "\n".join(lines)
+
+
+def one_change(sm: Summary, arm_names: list[str]) -> dict:
+    """{(arm, reference, split, metric): Interval over seeds of the paired difference
+    improvement(arm) - improvement(reference)} for the `ONE_CHANGE` pairs that were run."""
+    return {(a, r, s, m): t_interval([x - y for x, y in zip(sm.improvement[(a, s, m)],
+                                                            sm.improvement[(r, s, m)])])
+            for a, r, _ in ONE_CHANGE if a in arm_names and r in arm_names
+            for s in SPLITS for m, _ in METRICS}
+
+
+def one_change_table(sm: Summary, arm_names: list[str]) -> str:
+    diffs, rows = one_change(sm, arm_names), []
+    for a, r, about in ONE_CHANGE:
+        for s in SPLITS:
+            if (a, r, s, METRICS[0][0]) in diffs:
+                rows.append([about, f"{a} - {r}", s,
+                             *(_interval_cell(diffs[(a, r, s, m)]) for m, _ in METRICS)])
+    return table(["change", "arms", "split", *(f"{label}, mean [95% t]" for _, label in METRICS)],
+                 rows)
+
+
+ONE_CHANGE_TEXT = (
+    "Each row changes one thing: the per-seed difference of the two arms' improvements over base "
+    "(same prompts and noise per seed, so paired), mean over seeds with a 95% t-interval. An "
+    "interval that contains 0 means this benchmark cannot tell the change from seed noise.")
+
+
 DIAGNOSTIC_COLUMNS = (("clip_fraction", "clip fraction", ".4f"), ("approx_kl", "approx KL", ".2e"),
                       ("ratio_std", "ratio std", ".4f"), ("grad_norm", "grad norm", ".4f"),
                       ("zero_variance_fraction", "zero-variance groups", ".3f"))
@@ -832,6 +913,7 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
     md = ["# CAST vs Flow-GRPO on the shapes world", "", provenance, "", "## Setup", "",
           table(["arm", "recipe", "overrides", "what", "window (per seed)", "clip range"],
                 arm_rows), "", budget, "",
+          "## Against the issue's targets", "", targets_text(sm, names), "",
           "## Improvement over the base model (last iteration)", "", statistics, "",
           improvement_table(sm, names), "", "![improvements](improvements.png)", "",
           "Per seed:", "", per_seed_table(sm, names, seeds), "",
@@ -842,7 +924,10 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
           f"CAST / Flow-GRPO time ratio (of medians) per stage: {ratios}.", "",
           "![stage times](stage_times.png)", "",
           "## Training diagnostics", "", DIAGNOSTICS_TEXT, "",
-          diagnostics_table(res, names, seeds, prefix), "", *(recast or []),
+          diagnostics_table(res, names, seeds, prefix), "",
+          *(["## One change at a time", "", ONE_CHANGE_TEXT, "", one_change_table(sm, names), ""]
+            if one_change(sm, names) else []),
+          *(recast or []),
           WHAT_WAS_TRIED, "## Query the store", "", "```sql", QUERY.format(prefix=prefix), "```", ""]
     for name, data in pngs.items():
         atomic_write_bytes(out / name, data)
@@ -904,6 +989,9 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
               if rs is not None else None)
     path = write_report(Path(report_dir), sm, res, setup, recast)
     print(f"\n{improvement_table(sm, names)}\n\n{time_table(sm, names)}\n")
+    if one_change(sm, names):
+        print(f"{one_change_table(sm, names)}\n")
+    print(f"{targets_text(sm, names)}\n")
     if recast:
         print("\n".join(recast))
     print(f"wall time {setup['wall_s']:.1f} s; report {path}")

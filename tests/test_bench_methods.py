@@ -115,6 +115,17 @@ def test_arms_are_at_equal_budget_and_differ_only_where_meant(tmp_path):
     late = recipes["cast-late-window"]
     assert (late.window.mode, late.window.start, late.window.size) == ("fixed", 6, 3)
     assert late.advantage == recipes["cast"].advantage
+    calibrated = recipes["flowgrpo-calibrated"]
+    assert calibrated.window == recipes["cast"].window
+    assert (calibrated.advantage, calibrated.train) == (recipes["flowgrpo"].advantage,
+                                                        recipes["flowgrpo"].train)
+    atom_fixed = recipes["cast-no-map-fixed-window"]
+    assert atom_fixed.window == recipes["flowgrpo"].window
+    assert (atom_fixed.advantage, atom_fixed.train) == (recipes["cast-no-map"].advantage,
+                                                        recipes["cast"].train)
+    names = {a.name for a in bm.arms()}
+    for arm, reference, _ in bm.ONE_CHANGE:  # every pair names two arms of the full suite
+        assert {arm, reference} <= names, (arm, reference)
     for name, overrides, _ in bm.FIXES:  # one change each to the cast arm
         fixed = recipes[name]
         assert fixed.window == recipes["cast"].window
@@ -136,6 +147,55 @@ def test_arms_are_at_equal_budget_and_differ_only_where_meant(tmp_path):
         bm.check_equal_budget([recipes["cast"], other])
 
 
+def test_one_change_is_the_paired_seed_difference():
+    keys = [(s, m) for s in bm.SPLITS for m, _ in bm.METRICS]
+    per_arm = {"flowgrpo": [0.10, 0.00, 0.05], "flowgrpo-calibrated": [0.13, 0.01, 0.09],
+               "cast": [0.02, 0.04, 0.03]}
+    improvement = {(a, s, m): v for a, v in per_arm.items() for s, m in keys}
+    sm = bm.Summary(improvement, {}, {}, {}, {}, {}, {}, {})
+    diffs = bm.one_change(sm, list(per_arm))
+    assert {(a, r) for a, r, _, _ in diffs} == {("flowgrpo-calibrated", "flowgrpo"),
+                                               ("cast", "flowgrpo")}
+    d = diffs[("flowgrpo-calibrated", "flowgrpo", "hard", "mean_score")]
+    # differences 0.03, 0.01, 0.04: mean 0.08 / 3, s = sqrt(0.00023333), t_{0.975, 2} = 4.3027
+    half = 4.302653 * math.sqrt(((0.03 - 0.08 / 3) ** 2 + (0.01 - 0.08 / 3) ** 2
+                                 + (0.04 - 0.08 / 3) ** 2) / 2) / math.sqrt(3)
+    assert d.mean == pytest.approx(0.08 / 3)
+    assert (d.low, d.high) == (pytest.approx(0.08 / 3 - half, rel=1e-5),
+                               pytest.approx(0.08 / 3 + half, rel=1e-5))
+    assert diffs[("cast", "flowgrpo", "eval", "strict_accuracy")].mean == pytest.approx(
+        (-0.08 + 0.04 - 0.02) / 3)
+    text = bm.one_change_table(sm, list(per_arm))
+    assert "flowgrpo-calibrated - flowgrpo" in text and "cast - flowgrpo" in text
+    assert "cast - cast-no-map" not in text  # cast-no-map was not run
+
+
+def test_targets_are_read_off_the_summary():
+    keys = [(s, m) for s in bm.SPLITS for m, _ in bm.METRICS]
+    per_arm = {"flowgrpo": [0.01, 0.02, 0.03], "cast": [0.05, 0.07, 0.06]}
+    improvement = {(a, s, m): v for a, v in per_arm.items() for s, m in keys}
+    interval = {k: bm.t_interval(v) for k, v in improvement.items()}
+    ratio = {("cast", s, m): bm.ratio_bootstrap(per_arm["cast"], per_arm["flowgrpo"])
+             for s, m in keys}
+    fast = {("cast", "iteration"): 1.10}
+    text = bm.targets_text(bm.Summary(improvement, interval, ratio, {}, {}, {}, fast, {}),
+                           list(per_arm))
+    assert "ratio 3.00" in text and "target >= 3x met" in text  # 0.06 / 0.02
+    assert "outside the seed interval" in text  # differences 0.04, 0.05, 0.03
+    assert "<= 1.15 met" in text
+    per_arm["cast"] = [0.03, 0.01, 0.05]  # ratio 1.5, differences 0.02, -0.01, 0.02
+    improvement = {(a, s, m): v for a, v in per_arm.items() for s, m in keys}
+    ratio = {("cast", s, m): bm.ratio_bootstrap(per_arm["cast"], per_arm["flowgrpo"])
+             for s, m in keys}
+    slow = {("cast", "iteration"): 1.2}
+    text = bm.targets_text(bm.Summary(improvement, interval, ratio, {}, {}, {}, slow, {}),
+                           list(per_arm))
+    assert "target >= 3x NOT met" in text and "inside the seed interval" in text
+    assert "<= 1.15 NOT met" in text
+    assert "no verdict" in bm.targets_text(bm.Summary({}, {}, {}, {}, {}, {}, {}, {}),
+                                           ["flowgrpo"])
+
+
 @pytest.mark.slow
 def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
@@ -148,11 +208,15 @@ def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, m
         assert (tmp_path / "report" / name).stat().st_size > 1000
         assert f"]({name})" in report
     arms = ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map", "cast-late-window",
-            *(name for name, _, _ in bm.FIXES), "recast-equal", "static-skewed", "recast-skewed")
+            *(name for name, _, _ in bm.FIXES), "flowgrpo-calibrated", "cast-no-map-fixed-window",
+            "recast-equal", "static-skewed", "recast-skewed")
     for arm in arms:
         assert f"| {arm} |" in report
     assert "## ReCAST" in report and "## Training diagnostics" in report
-    assert "## What was tried" in report
+    assert "## What was tried" in report and "## One change at a time" in report
+    assert "## Against the issue's targets" in report
+    assert "| window: calibrated, not hand-set (scalar reward) | flowgrpo-calibrated - flowgrpo |" \
+        in report
     for arm in ("recast-equal", "recast-skewed"):
         assert (tmp_path / "report" / f"gains-{arm}-it0.png").stat().st_size > 1000
     from tasks.store import Store
