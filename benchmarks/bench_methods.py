@@ -426,7 +426,8 @@ class Results:
     seconds {(run, iteration, stage): s}, windows {run: (method, start, end)}; for the ReCAST
     section: train rewards {(run, iteration): {atom type: mean rollout score, "weights": JSON}},
     type evals {(run, iteration, split, atom type): mean score}, gain plots {(run, iteration):
-    store path of the PNG} (empty without ReCAST runs)."""
+    store path of the PNG} (empty without ReCAST runs); diagnostics {run: {column: mean over the
+    run's optimizer steps, "steps": count}} (`DIAGNOSTIC_COLUMNS`)."""
 
     evals: dict
     seconds: dict
@@ -434,6 +435,7 @@ class Results:
     train: dict
     type_evals: dict
     gain_plots: dict
+    diagnostics: dict
 
 
 def read_results(store, runs: list[str], with_gains: bool = False) -> Results:
