@@ -61,11 +61,13 @@ stage_seconds_json is made from, which lacks train_epoch itself); iteration = ro
 score_atoms + compute_advantages + train_epoch; medians over seeds x iterations; ratio = median
 CAST / median Flow-GRPO.
 
-Full-mode size (the default): 8 arms x 3 seeds x 4 iterations of the default recipes (16 prompts x
-8 samples), evaluated at the last iteration on 64 prompts per split x 2 images (256 images per
-checkpoint). Measured on this 2-core machine (2026-12-03, with a test run beside it for half of
-it): 29.4 min for the first 7 arms, ~4 min more for cast-late-window; medians 14.6 s per iteration (rollout 7.8, training 6.3), ReCAST gains
-~5.7 s per estimate, 15 s per evaluated checkpoint. `--iterations 8` fits in about an hour.
+Full-mode size (the default): 14 arms x 3 seeds x 4 iterations of the default recipes (16 prompts
+x 8 samples), evaluated at the last iteration on 64 prompts per split x 2 images (256 images per
+checkpoint). Measured on this 2-core machine (2026-12-03, lr 3e-3): 74.5 min for the first 12 arms
+(a one-thread probe beside it for ~25 min of it) and 13.0 min for the two one-change arms (a test
+beside it for 5 min); the stages' bodies sum to 85.6 min; medians 16-18 s per iteration (rollout
+8-9, training 7-8), ReCAST gains ~6 s per estimate, 17-20 s per evaluated checkpoint. On a quiet
+machine expect about 65-75 min. `--iterations 12 --arms flowgrpo,cast` is about 30 min.
 `--suite methods` runs the first five arms only; `--arms flowgrpo,cast` any subset that
 includes flowgrpo; `--lr X` replaces every arm's learning rate (a probe: use its own `--store`,
 since run names do not carry the lr).
@@ -750,61 +752,85 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _png(fig) -> bytes:
-    fig.tight_layout()
+def _png(fig, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> bytes:
+    """PNG bytes after a tight layout inside `rect` (figure fractions: room for a legend)."""
+    fig.tight_layout(rect=rect)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
 
 
+def _arm_colors(arm_names: list[str]) -> dict:
+    """One distinct colour per arm (tab20: 20 before any repeats)."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab20"]
+    return {a: cmap(j % cmap.N) for j, a in enumerate(arm_names)}
+
+
 def plot_improvements(sm: Summary, arm_names: list[str]) -> bytes:
-    fig = _figure(10, 3.6)
-    for i, (m, label) in enumerate(METRICS):
-        ax = fig.add_subplot(1, len(METRICS), i + 1)
-        for j, a in enumerate(arm_names):
-            ivs = [sm.interval[(a, s, m)] for s in SPLITS]
-            x = np.arange(len(SPLITS)) + (j - (len(arm_names) - 1) / 2) * 0.8 / len(arm_names)
-            err = np.array([[0, 0] if v.low is None else [v.mean - v.low, v.high - v.mean]
-                            for v in ivs]).T
-            ax.bar(x, [v.mean for v in ivs], width=0.8 / len(arm_names), yerr=err, capsize=3,
-                   label=a, color=f"C{j}")
-        ax.axhline(0, color="black", linewidth=0.6)
-        ax.set_xticks(np.arange(len(SPLITS)), SPLITS)
-        ax.set_title(f"{label}: improvement over base (95% t-interval)", fontsize=9)
-        ax.legend(fontsize=7)
+    """One panel per split x metric: each arm's mean improvement with its 95% t-interval, arms
+    on the y axis (no legend to hide bars), flowgrpo's mean as a dashed line."""
+    colors, y = _arm_colors(arm_names), np.arange(len(arm_names))[::-1]
+    fig = _figure(10, 1.5 + 0.32 * len(arm_names) * len(SPLITS))
+    for i, s in enumerate(SPLITS):
+        for j, (m, label) in enumerate(METRICS):
+            ax = fig.add_subplot(len(SPLITS), len(METRICS), i * len(METRICS) + j + 1)
+            for k, a in enumerate(arm_names):
+                v = sm.interval[(a, s, m)]
+                err = None if v.low is None else [[v.mean - v.low], [v.high - v.mean]]
+                ax.errorbar([v.mean], [y[k]], xerr=err, fmt="o", color=colors[a], capsize=3)
+            ax.axvline(0, color="black", linewidth=0.6)
+            ax.axvline(sm.interval[(BASELINE, s, m)].mean, color="grey", linestyle="--",
+                       linewidth=0.8, label=f"{BASELINE} mean")
+            ax.set_yticks(y, arm_names if j == 0 else [""] * len(arm_names), fontsize=7)
+            ax.set_title(f"{s}: {label}, improvement over base (95% t)", fontsize=9)
+            ax.grid(axis="x", alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7, loc="lower right")
     return _png(fig)
 
 
 def plot_curves(sm: Summary, arm_names: list[str], its: list[int]) -> bytes:
-    fig = _figure(10, 6.5)
+    colors = _arm_colors(arm_names)
+    fig = _figure(11, 6.5)
     for i, (m, label) in enumerate(METRICS):
         for j, s in enumerate(SPLITS):
             ax = fig.add_subplot(len(METRICS), len(SPLITS), i * len(SPLITS) + j + 1)
-            for c, a in enumerate(arm_names):
+            for a in arm_names:
                 ivs = [sm.curve[(a, s, m, k)] for k in its]
-                ax.plot(its, [v.mean for v in ivs], "o-", color=f"C{c}", label=a)
+                ax.plot(its, [v.mean for v in ivs], "o-", color=colors[a], label=a,
+                        linewidth=2.0 if a == BASELINE else 1.0)
                 if all(v.low is not None for v in ivs[1:]):
                     ax.fill_between(its[1:], [v.low for v in ivs[1:]], [v.high for v in ivs[1:]],
-                                    color=f"C{c}", alpha=0.12)
+                                    color=colors[a], alpha=0.08)
             ax.set_title(f"{s}: {label} (mean over seeds, 95% band)", fontsize=9)
             ax.set_xlabel("iteration (-1 = base)", fontsize=8)
             ax.set_xticks(its)
-            ax.legend(fontsize=7)
-    return _png(fig)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
+    return _png(fig, rect=(0, 0, 0.8, 1))
 
 
 def plot_times(sm: Summary, arm_names: list[str]) -> bytes:
-    stages = (*ITERATION_STAGES, "iteration")
-    fig = _figure(10, 3.6)
+    """Per arm, the median seconds of each stage stacked into the iteration."""
+    from matplotlib import colormaps
+
+    y, left = np.arange(len(arm_names))[::-1], np.zeros(len(arm_names))
+    fig = _figure(10, 1.8 + 0.3 * len(arm_names))
     ax = fig.add_subplot()
-    for j, a in enumerate(arm_names):
-        x = np.arange(len(stages)) + (j - (len(arm_names) - 1) / 2) * 0.8 / len(arm_names)
-        ax.bar(x, [sm.stage_median[(a, st)] for st in stages], width=0.8 / len(arm_names),
-               label=a, color=f"C{j}")
-    ax.set_xticks(np.arange(len(stages)), stages)
-    ax.set_ylabel("seconds (median over seeds x iterations)")
-    ax.set_title("wall time per stage and per iteration", fontsize=9)
-    ax.legend(fontsize=7)
+    for k, st in enumerate(ITERATION_STAGES):
+        width = np.array([sm.stage_median[(a, st)] for a in arm_names])
+        ax.barh(y, width, left=left, color=colormaps["tab10"](k), label=st)
+        left += width
+    for yy, a in zip(y, arm_names):
+        ax.text(left[arm_names.index(a)], yy, f" {sm.time_ratio[(a, 'iteration')]:.2f}x",
+                va="center", fontsize=7)
+    ax.set_yticks(y, arm_names, fontsize=7)
+    ax.set_xlabel("seconds (median over seeds x iterations); label: iteration / flowgrpo")
+    ax.set_title("wall time per iteration, by stage", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
+    ax.margins(x=0.08)
     return _png(fig)
 
 
