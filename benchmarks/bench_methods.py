@@ -67,7 +67,7 @@ checkpoint). Measured on this 2-core machine (2026-12-03, lr 3e-3): 74.5 min for
 (a one-thread probe beside it for ~25 min of it) and 13.0 min for the two one-change arms (a test
 beside it for 5 min); the stages' bodies sum to 85.6 min; medians 16-18 s per iteration (rollout
 8-9, training 7-8), ReCAST gains ~6 s per estimate, 17-20 s per evaluated checkpoint. On a quiet
-machine expect about 65-75 min. `--iterations 12 --arms flowgrpo,cast` is about 30 min.
+machine expect about 65-75 min. `--iterations 12 --arms flowgrpo,cast` took 27 min.
 `--suite methods` runs the first five arms only; `--arms flowgrpo,cast` any subset that
 includes flowgrpo; `--lr X` replaces every arm's learning rate (a probe: use its own `--store`,
 since run names do not carry the lr).
@@ -740,6 +740,19 @@ WHAT_WAS_TRIED = """## What was tried (earlier runs)
    without a probe.
 3. **A later window** (cast-late-window, fixed at steps [6, 9) where ReCAST's gains say the atom
    types become decidable) was added after the first run: no better at lr 5e-4 (above).
+4. **Longer training, lr 3e-3** (`--iterations 12 --arms flowgrpo,cast --store runs/bench-12it
+   --report-dir reports/cast-vs-flowgrpo-12it`, committed beside this report; 3 seeds, evals at
+   iterations 3, 7, 11). Flow-GRPO kept improving and CAST did not: eval mean atom score +0.075
+   [+0.048, +0.102] vs +0.013 [-0.017, +0.043], paired cast - flowgrpo -0.062 [-0.090, -0.034]
+   (outside the seed interval: Flow-GRPO is better on this metric); hard mean score +0.027 vs
+   +0.008 and every strict accuracy difference inside the seed interval. CAST's time per iteration
+   0.92x Flow-GRPO's there. Two readings, both measured: the benchmark's mean atom score is
+   exactly Flow-GRPO's training reward (the mean of the atom scores), while CAST optimises a sum
+   of per-atom z-scores, which weighs every atom's rank in its group equally; and in CAST's runs
+   15% of the advantage mass comes from near-tied atom groups (group std < 0.05), which z-scoring
+   inflates to unit variance (`advantages` table: gated and zero-variance groups carry none).
+   The one-change table above points the same way: at equal window the atom advantage itself
+   (cast-no-map-fixed-window - flowgrpo), not the map or the window, is where CAST loses.
 """
 
 
@@ -761,11 +774,12 @@ def _png(fig, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> bytes:
 
 
 def _arm_colors(arm_names: list[str]) -> dict:
-    """One distinct colour per arm (tab20: 20 before any repeats)."""
+    """One distinct colour per arm: tab20's ten dark shades first (ten distinct hues), then its
+    light ones, so few arms never share a hue; 20 before any repeats."""
     from matplotlib import colormaps
 
-    cmap = colormaps["tab20"]
-    return {a: cmap(j % cmap.N) for j, a in enumerate(arm_names)}
+    cmap, order = colormaps["tab20"], [*range(0, 20, 2), *range(1, 20, 2)]
+    return {a: cmap(order[j % 20]) for j, a in enumerate(arm_names)}
 
 
 def plot_improvements(sm: Summary, arm_names: list[str]) -> bytes:
