@@ -517,6 +517,14 @@ def summarise(res: Results, arm_names: list[str], seeds: list[int], prefix: str,
                    time_ratio, run_level)
 
 
+def paired_difference(sm: Summary, arm: str, reference: str, split: str,
+                      metric: str) -> Interval:
+    """Interval over seeds of improvement(arm) - improvement(reference), seed by seed (paired:
+    seed s gives both arms the same prompts and noise)."""
+    return t_interval([x - y for x, y in zip(sm.improvement[(arm, split, metric)],
+                                             sm.improvement[(reference, split, metric)])])
+
+
 @dataclass(frozen=True)
 class RecastSummary:
     """The ReCAST comparison (arms of the recast suite, `RECAST_PAIRS`): train[(arm, type)] =
@@ -564,8 +572,7 @@ def summarise_recast(res: Results, sm: Summary, seeds: list[int], prefix: str,
             base = res.type_evals.get((f"{prefix}-base", -1, "eval", t))
             held[(a, t)] = interval([change(res.type_evals.get((r, last, "eval", t)), base)
                                      for r in runs])
-    paired = {(r, s, m): t_interval([x - y for x, y in zip(sm.improvement[(r, s, m)],
-                                                           sm.improvement[(st, s, m)])])
+    paired = {(r, s, m): paired_difference(sm, r, st, s, m)
               for r, st in RECAST_PAIRS for s in SPLITS for m, _ in METRICS}
     weights = {}
     for a in names:
@@ -640,8 +647,7 @@ def targets_text(sm: Summary, arm_names: list[str]) -> str:
     lines = []
     for m, label in METRICS:
         r = sm.ratio[("cast", "hard", m)]
-        d = t_interval([x - y for x, y in zip(sm.improvement[("cast", "hard", m)],
-                                              sm.improvement[(BASELINE, "hard", m)])])
+        d = paired_difference(sm, "cast", BASELINE, "hard", m)
         met = r.value is not None and r.value >= TARGET_RATIO
         outside = d.low is not None and (d.low > 0 or d.high < 0)
         lines.append(
@@ -659,8 +665,7 @@ def targets_text(sm: Summary, arm_names: list[str]) -> str:
 def one_change(sm: Summary, arm_names: list[str]) -> dict:
     """{(arm, reference, split, metric): Interval over seeds of the paired difference
     improvement(arm) - improvement(reference)} for the `ONE_CHANGE` pairs that were run."""
-    return {(a, r, s, m): t_interval([x - y for x, y in zip(sm.improvement[(a, s, m)],
-                                                            sm.improvement[(r, s, m)])])
+    return {(a, r, s, m): paired_difference(sm, a, r, s, m)
             for a, r, _ in ONE_CHANGE if a in arm_names and r in arm_names
             for s in SPLITS for m, _ in METRICS}
 
@@ -837,9 +842,9 @@ def plot_times(sm: Summary, arm_names: list[str]) -> bytes:
         width = np.array([sm.stage_median[(a, st)] for a in arm_names])
         ax.barh(y, width, left=left, color=colormaps["tab10"](k), label=st)
         left += width
-    for yy, a in zip(y, arm_names):
-        ax.text(left[arm_names.index(a)], yy, f" {sm.time_ratio[(a, 'iteration')]:.2f}x",
-                va="center", fontsize=7)
+    for k, a in enumerate(arm_names):
+        ax.text(left[k], y[k], f" {sm.time_ratio[(a, 'iteration')]:.2f}x", va="center",
+                fontsize=7)
     ax.set_yticks(y, arm_names, fontsize=7)
     ax.set_xlabel("seconds (median over seeds x iterations); label: iteration / flowgrpo")
     ax.set_title("wall time per iteration, by stage", fontsize=9)
