@@ -22,8 +22,8 @@ import torch
 from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.metrics import summarise_by_atom_type, summarise_by_tag
 from cast_core.shapes.prompts import load_prompt_file
-from cast_core.shapes.sensitivity import format_sensitivity, word_sensitivity
-from tasks.evaluate import evaluate_file
+from cast_core.shapes.sensitivity import WORD_TYPES, format_sensitivity, swap_word, word_sensitivity
+from tasks.evaluate import evaluate_records
 
 
 def format_table(title: str, results) -> str:
@@ -38,6 +38,17 @@ def format_table(title: str, results) -> str:
     return "\n".join(lines)
 
 
+def select_tags(records: list[dict], tags: list[str] | None) -> list[dict]:
+    """The records of the given tags (all when tags is None); a clear error when none match."""
+    if tags is None:
+        return records
+    chosen = [r for r in records if r.get("tag") in tags]
+    if not chosen:
+        known = sorted({r.get("tag") for r in records})
+        raise SystemExit(f"no prompt has a tag in {tags}; this split's tags are {known}")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default="data/base/shapes-base")
@@ -46,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tags", nargs="+", default=None,
+                        help="only the prompts of these tags (e.g. single_object)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="print the word-sensitivity table instead of sampling")
     parser.add_argument("--scenes", type=int, default=128,
@@ -56,17 +69,18 @@ def main(argv: list[str] | None = None) -> None:
     backbone = ShapesBackbone.from_pretrained(args.checkpoint).eval()
     if args.sensitivity:
         for split in args.splits:
-            rows = word_sensitivity(backbone, load_prompt_file(f"data/prompts/{split}.jsonl"),
-                                    scenes=args.scenes)
+            records = select_tags(load_prompt_file(f"data/prompts/{split}.jsonl"), args.tags)
+            types = tuple(w for w in WORD_TYPES if any(swap_word(r["prompt"], w) for r in records))
+            rows = word_sensitivity(backbone, records, scenes=args.scenes, word_types=types)
             print(f"### {split} split: word sensitivity of {args.checkpoint}\n")
             print(format_sensitivity(rows))
             print()
         return
     for split in args.splits:
         started = time.time()
-        results = evaluate_file(backbone, f"data/prompts/{split}.jsonl",
-                                images_per_prompt=args.images_per_prompt, num_steps=args.steps,
-                                guidance_scale=args.guidance)
+        records = select_tags(load_prompt_file(f"data/prompts/{split}.jsonl"), args.tags)
+        results = evaluate_records(backbone, records, images_per_prompt=args.images_per_prompt,
+                                   num_steps=args.steps, guidance_scale=args.guidance)
         print(format_table(f"{split} split ({args.steps} Euler steps, CFG {args.guidance}, "
                            f"{time.time() - started:.0f} s)", results))
         print()

@@ -66,3 +66,24 @@ def test_no_word_of_a_type_is_a_clear_error():
     model = ShapesBackbone(TINY).eval()
     with pytest.raises(ValueError, match="no prompt has a count word"):
         word_sensitivity(model, RECORDS[1:], ts=(0.5,), scenes=2, word_types=("count",))
+
+
+def test_base_eval_prints_the_sensitivity_table_for_chosen_tags(tmp_path, capsys):
+    from flows.base_eval import main
+
+    torch.manual_seed(0)
+    ShapesBackbone(TINY).save_pretrained(tmp_path / "tiny")
+    main(["--checkpoint", str(tmp_path / "tiny"), "--splits", "eval", "--tags", "single_object",
+          "--sensitivity", "--scenes", "4", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| kind | 0.90 | 4 |" in out
+    assert "| colour |" not in out and "| count |" not in out  # single-object prompts have neither
+
+
+def test_base_eval_names_the_tags_when_none_match(tmp_path):
+    from flows.base_eval import main
+
+    ShapesBackbone(TINY).save_pretrained(tmp_path / "tiny")
+    with pytest.raises(SystemExit, match="this split's tags are"):
+        main(["--checkpoint", str(tmp_path / "tiny"), "--splits", "hard", "--tags", "single_object",
+              "--sensitivity"])
