@@ -27,6 +27,7 @@ from cast_core.shapes.pretrain import (
     ema_update,
     make_batch,
     make_optimizer,
+    tag_probabilities,
     train_step,
 )
 from cast_core.shapes.prompts import load_prompt_file
@@ -96,6 +97,7 @@ def pretrain_shapes(train_file: str, out_dir: str, work_dir: str, config: Pretra
     by_tag: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         by_tag[record["tag"]].append(record)
+    tag_probabilities(sorted(by_tag), config)  # a typo in tag_weights fails here, not mid-run
     torch.manual_seed(config.seed)
     model = ShapesBackbone.from_pretrained(init_from) if init_from else ShapesBackbone(model_config)
     model_config = model.config

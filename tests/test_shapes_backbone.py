@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.sampling import sample_ode
-from cast_core.shapes.pretrain import PretrainConfig, make_batch, sample_t
+from cast_core.shapes.pretrain import PretrainConfig, make_batch, sample_t, tag_probabilities
 from tasks.pretrain_shapes import pretrain_shapes
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)
@@ -97,6 +97,41 @@ def test_batches_are_deterministic_per_step_and_cfg_dropout_applies():
     assert not torch.equal(a.x0, make_batch(by_tag, config, 4).x0)
     assert 5 < a.prompts.count("") < 35
     assert a.x0.min() >= -1 and a.x0.max() <= 1
+
+
+def _two_tags() -> dict[str, list[dict]]:
+    single = {"tag": "single_object", "include": [{"class": "circle", "count": 1}], "exclude": [],
+              "prompt": "a photo of a circle"}
+    return {"hard_counted_relation": [RECORD], "single_object": [single]}
+
+
+def test_tag_weights_set_the_tag_frequencies_and_uniform_is_unchanged():
+    by_tag = _two_tags()
+    uniform = PretrainConfig(batch_size=400, cfg_dropout=0.0)
+    weighted = PretrainConfig(batch_size=400, cfg_dropout=0.0, tag_weights=(("single_object", 3.0),))
+    assert tag_probabilities(sorted(by_tag), uniform) is None
+    assert tag_probabilities(sorted(by_tag), weighted).tolist() == [0.25, 0.75]
+    share = make_batch(by_tag, weighted, 0).prompts.count("a photo of a circle") / 400
+    assert 0.70 < share < 0.80  # binomial(400, 0.75): sd 0.022
+    assert 0.42 < make_batch(by_tag, uniform, 0).prompts.count("a photo of a circle") / 400 < 0.58
+
+
+def test_tag_weights_reject_unknown_tags_negative_and_all_zero_weights():
+    with pytest.raises(ValueError, match="does not have: \\['single_objects'\\]"):
+        tag_probabilities(["single_object"], PretrainConfig(tag_weights=(("single_objects", 2.0),)))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        PretrainConfig(tag_weights=(("single_object", -1.0),))
+    with pytest.raises(ValueError, match="every tag weight 0"):
+        tag_probabilities(["single_object"], PretrainConfig(tag_weights=(("single_object", 0.0),)))
+
+
+def test_pretrain_command_parses_tag_weights_and_explains_a_bad_pair():
+    from flows.pretrain_shapes import main, parse_tag_weights
+
+    assert parse_tag_weights(["single_object=3", "colors=0.5"]) == {"single_object": 3.0,
+                                                                    "colors": 0.5}
+    with pytest.raises(SystemExit):
+        main(["--no-prefect", "--tag-weights", "single_object:3"])
 
 
 def test_training_times_lie_in_the_open_interval():

@@ -1,7 +1,7 @@
 """Pre-training of the embedded backbone from scratch on rendered scenes (rectified flow).
 
-Each step draws a batch of train-split prompt records (tag-balanced: a tag uniformly, then a prompt
-of that tag), renders a fresh random scene for each, and regresses the velocity v = eps - x0 at
+Each step draws a batch of train-split prompt records (tag-balanced: a tag uniformly, or with the
+relative `tag_weights` given, then a prompt of that tag), renders a fresh random scene for each, and regresses the velocity v = eps - x0 at
 x_t = (1 - t) x0 + t eps, with t from a logit-normal(0, 1) (SD3's choice) mixed with 20% uniform
 so the high-noise steps where layout forms are trained too. 10% of prompts are replaced by the empty
 prompt so classifier-free guidance works. AdamW with linear warm-up and cosine decay; an EMA of
@@ -35,6 +35,7 @@ class PretrainConfig:
     t_shift: float = 1.0
     ema_decay: float = 0.999
     seed: int = 0
+    tag_weights: tuple[tuple[str, float], ...] = ()  # (tag, relative weight); unnamed tags get 1
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -45,6 +46,9 @@ class PretrainConfig:
             raise ValueError(f"t_shift must be > 0 (1 = no shift): got {self.t_shift}")
         if not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1): got {self.ema_decay}")
+        bad = [(tag, w) for tag, w in self.tag_weights if not (w >= 0 and math.isfinite(w))]
+        if bad:
+            raise ValueError(f"tag_weights must be finite and >= 0: got {bad}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate at a step: linear warm-up, then cosine down to min_lr_ratio * lr."""
@@ -63,13 +67,33 @@ class Batch:
     prompts: list[str]
 
 
+def tag_probabilities(tags: list[str], config: PretrainConfig) -> np.ndarray | None:
+    """Probabilities [len(tags)] of drawing each tag, or None for uniform (no tag_weights).
+
+    Raises ValueError when a weighted tag is not among `tags` (a typo would silently do nothing)
+    or when every weight is 0."""
+    if not config.tag_weights:
+        return None
+    weights = dict(config.tag_weights)
+    unknown = sorted(set(weights) - set(tags))
+    if unknown:
+        raise ValueError(f"tag_weights name tags that the train file does not have: {unknown}; "
+                         f"its tags are {sorted(tags)}")
+    w = np.array([weights.get(tag, 1.0) for tag in tags], dtype=np.float64)
+    if w.sum() <= 0:
+        raise ValueError("tag_weights give every tag weight 0; at least one must be positive")
+    return w / w.sum()
+
+
 def make_batch(records_by_tag: dict[str, list[dict]], config: PretrainConfig, step: int) -> Batch:
     """The batch of step `step`: tag-balanced records, one fresh scene each (see module doc)."""
     rng = np.random.default_rng([config.seed, step])
     tags = sorted(records_by_tag)
+    p = tag_probabilities(tags, config)
     images, prompts = [], []
     for _ in range(config.batch_size):
-        pool = records_by_tag[tags[int(rng.integers(len(tags)))]]
+        tag = tags[int(rng.integers(len(tags)))] if p is None else tags[int(rng.choice(len(tags), p=p))]
+        pool = records_by_tag[tag]
         record = pool[int(rng.integers(len(pool)))]
         images.append(render(sample_scene(record, rng)).image)
         prompts.append("" if rng.random() < config.cfg_dropout else record["prompt"])
