@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
 from tqdm.auto import tqdm
 
 from cast_core.csg_parser import graph_from_geneval
@@ -42,10 +41,3 @@ def evaluate_records(backbone, records: list[dict], images_per_prompt: int = 4,
             results.append(ImageResult(tag=graph.tag or "untagged", scores=s.scores,
                                        atom_types=tuple(a.type for a in graph.atoms())))
     return results
-
-
-@torch.no_grad()
-def evaluate_file(backbone, prompt_file: str, **kwargs) -> list[ImageResult]:
-    from cast_core.shapes.prompts import load_prompt_file
-
-    return evaluate_records(backbone, load_prompt_file(prompt_file), **kwargs)

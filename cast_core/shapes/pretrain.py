@@ -1,9 +1,10 @@
 """Pre-training of the embedded backbone from scratch on rendered scenes (rectified flow).
 
 Each step draws a batch of train-split prompt records (tag-balanced: a tag uniformly, or with the
-relative `tag_weights` given, then a prompt of that tag), renders a fresh random scene for each, and regresses the velocity v = eps - x0 at
-x_t = (1 - t) x0 + t eps, with t from a logit-normal(0, 1) (SD3's choice) mixed with 20% uniform
-so the high-noise steps where layout forms are trained too. 10% of prompts are replaced by the empty
+relative `tag_weights` given, then a prompt of that tag), renders a fresh random scene for each,
+and regresses the velocity v = eps - x0 at x_t = (1 - t) x0 + t eps, with t from a
+logit-normal(0, 1) (SD3's choice) mixed with 20% uniform so the high-noise steps where layout forms
+are trained too. 10% of prompts are replaced by the empty
 prompt so classifier-free guidance works. AdamW with linear warm-up and cosine decay; an EMA of
 the weights is what gets saved. Data and noise at step k depend only on (seed, k), so a resumed run
 sees the same batches as an uninterrupted one.
