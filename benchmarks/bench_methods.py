@@ -716,6 +716,10 @@ DIAGNOSTICS_TEXT = (
 # committed). Kept here so every regenerated report carries the history.
 WHAT_WAS_TRIED = """## What was tried (earlier runs)
 
+All of these were measured with the third base model (`data/base/shapes-base` as committed in
+56e1d68, "stage 2" in data/base/README.md: eval strict 0.086, hard strict 0.014 on the full
+splits), not the one this report's figures come from.
+
 1. **First full run at lr 5e-4** (commit bbc743e's report; this size, 3 seeds, the eight arms
    without the fixes): nothing separated from seed noise. Improvement over base, mean [95% t]:
    flowgrpo hard mean score -0.004 [-0.013, +0.005], eval mean score +0.011 [-0.018, +0.039];
@@ -758,6 +762,14 @@ WHAT_WAS_TRIED = """## What was tried (earlier runs)
    inflates to unit variance (`advantages` table: gated and zero-variance groups carry none).
    The one-change table above points the same way: at equal window the atom advantage itself
    (cast-no-map-fixed-window - flowgrpo), not the map or the window, is where CAST loses.
+5. **The full run at lr 3e-3 with that base** (14 arms x 3 seeds x 4 iterations; commit b989254's
+   report). Improvement over base, mean [95% t]: hard strict cast +0.003 [-0.009, +0.014] vs
+   flowgrpo +0.010 [-0.001, +0.022] (ratio 0.25, paired difference -0.008 [-0.027, +0.012], inside
+   the seed interval); hard mean score -0.003 [-0.028, +0.021] vs +0.013 [-0.017, +0.044]; eval
+   mean score +0.012 [-0.014, +0.038] vs +0.038 [-0.005, +0.082]; CAST's time per iteration 1.08x
+   Flow-GRPO's. None of the fix or window arms separated from seed noise. The base's hard-split
+   strict accuracy on the benchmark's subset was 0.000, so the hard ratio was measured on a floor;
+   the base was then retrained (stages 3-5) to lift it.
 """
 
 
