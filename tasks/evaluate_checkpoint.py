@@ -6,19 +6,28 @@ Prompts: each split's file read for the recipe's family (`tasks.prompt_sets.load
 `eval.max_prompts`; graphs from the recipe's CSG builder (built once). Images:
 `eval.images_per_prompt` per prompt, ODE sampling at the eval section's steps and CFG in chunks of
 `sampling.chunk_size` images, decoded per chunk and kept on the CPU as float32 in [0, 1] (what the
-scorer protocol takes); seeds from the prompt text and image index (`tasks.evaluate.content_seed`),
-so every checkpoint is judged on the same starting noise. Strict accuracy: every atom of the image
-scores > 0.5. Diversity: mean over prompts of the mean pairwise (1 - cosine) between the unit
-embeddings of the prompt's images (how much a checkpoint's samples for one prompt differ; a
-collapse shows as a drop), on the overall row only, None with one image per prompt. The embedder
-is the shapes layout embedder for the shapes world, else the window calibration's image embedder
-(CLIP), whose spec then joins the eval spec. hf_energy: the group's mean high-frequency energy of
-the images (`cast_core.diagnostics.high_frequency_energy`; noise or stripes that hack the reward
-raise it). Iteration -1 is the base model. Cached on the checkpoint's hash and the eval spec's hash."""
+scorer protocol takes); image i of a prompt is seeded from the prompt text and index
+`eval.seed_offset` + i (`tasks.evaluate.content_seed`), so every checkpoint is judged on the same
+starting noise, and two evaluations with disjoint index ranges on fresh noise. Strict accuracy:
+every atom of the image scores > 0.5. Diversity: mean over prompts of the mean pairwise (1 - cosine)
+between the unit embeddings of the prompt's images (how much a checkpoint's samples for one prompt
+differ; a collapse shows as a drop), on the overall row only, None with one image per prompt. The
+embedder is the shapes layout embedder for the shapes world, else the window calibration's image
+embedder (CLIP), whose spec then joins the eval spec. hf_energy: the group's mean high-frequency
+energy of the images (`cast_core.diagnostics.high_frequency_energy`; noise or stripes that hack the
+reward raise it). Iteration -1 is the base model. Cached on the checkpoint's hash and the eval
+spec's hash.
+
+One checkpoint may be evaluated under several eval sections (a per-iteration probe and a final
+evaluation, say): the `evals` part is named by run, iteration and the sorted split names, so
+evaluations of different splits sit side by side, while a re-evaluation of the same splits
+replaces the previous one. `grid_paths` finds the image grid of each split of an evaluation."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import re
 
 import torch
 from prefect import task
@@ -114,6 +123,21 @@ def _group_rows(base: dict, results: list[ImageResult], hf: torch.Tensor,
     return rows
 
 
+def eval_seeds(prompts: list[str], images_per_prompt: int, seed_offset: int = 0) -> list[int]:
+    """Noise seeds of the images, prompt-major: image i of prompt p gets
+    content_seed(p, seed_offset + i)."""
+    return [content_seed(p, seed_offset + k) for p in prompts for k in range(images_per_prompt)]
+
+
+def evals_part(run_id: str, iteration: int, splits: list[str]) -> str:
+    """The `evals` part of one evaluation: run, iteration and the sorted split names (a hash of
+    them when a name is not a plain word)."""
+    names = "+".join(sorted(splits))
+    if not re.fullmatch(r"[A-Za-z0-9_+-]{1,80}", names):
+        names = "s" + hashlib.sha256(names.encode()).hexdigest()[:16]
+    return f"{run_id}-{iteration:05d}-{names}"
+
+
 def eval_spec_hash(recipe: Recipe) -> str:
     """The eval section, builder, scorer, split files' hashes and (real families) the diversity
     embedder. A model scorer enters by its id (model identity; a remote one's as its service
@@ -152,8 +176,8 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
             records = load_prompts(recipe, path)[:ev.max_prompts]
             graphs = [build(r) for r in records]
             prompts = [r["prompt"] for r in records for _ in range(ev.images_per_prompt)]
-            seeds = [content_seed(r["prompt"], k) for r in records
-                     for k in range(ev.images_per_prompt)]
+            seeds = eval_seeds([r["prompt"] for r in records], ev.images_per_prompt,
+                               ev.seed_offset)
             images = _sample_images(backbone, prompts, seeds, recipe)  # [N, 3, H, W] CPU
             flat = [g for g in graphs for _ in range(ev.images_per_prompt)]
             scored = score_in_chunks(score, images, flat, recipe.sampling.chunk_size)
@@ -168,13 +192,25 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
             grid = (images[:64] * 255).round().to(torch.uint8)
             refs.append(store.put_blob(contact_sheet(grid, ev.images_per_prompt), "png"))
         refs.append(store.put_blob(_plot(rows, f"{run_id}: iteration {iteration}"), "png"))
-        refs.append(store.write_table("evals", rows, f"{run_id}-{iteration:05d}"))
+        part = evals_part(run_id, iteration, list(ev.splits))
+        refs.append(store.write_table("evals", rows, part))
         return refs
 
     return run_stage(store, run_id, iteration, STAGE, cache_key(store, recipe, iteration), body)
 
 
 evaluate_task = stage_task(evaluate_checkpoint, STAGE, cache_key)
+
+
+def grid_paths(store: Store, recipe: Recipe, iteration: int) -> dict[str, str]:
+    """{split: store path of its image grid PNG} of this recipe's evaluation of the checkpoint
+    (the stage's outputs are the grids in sorted split order, the plot, then the evals part)."""
+    done = store.stage_done(recipe.run.name, iteration, STAGE, cache_key(store, recipe, iteration))
+    if done is None:
+        raise FileNotFoundError(f"run {recipe.run.name!r}: iteration {iteration} has no finished "
+                                f"evaluation under this eval section in {store.root}")
+    pngs = [p for p in done.paths if p.endswith(".png")]
+    return dict(zip(sorted(recipe.eval.splits), pngs[:-1], strict=True))
 
 
 def latest_checkpoint(store: Store, recipe: Recipe) -> int:

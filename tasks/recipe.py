@@ -130,10 +130,14 @@ class BuilderSection(_Section):
 
 
 class PromptsSection(_Section):
+    """`selection`: how an iteration's B prompts are chosen from the `train` file
+    (`tasks.rollout_groups.select_prompts`): "tag_balanced" and "uniform" draw them at random,
+    "cycle" walks the file in order, B at a time, so a small fixed pool is visited evenly."""
+
     train: str
     per_iteration: int = Field(ge=1, description="prompts B per iteration")
     group_size: int = Field(ge=2, description="samples G per prompt")
-    selection: Literal["tag_balanced", "uniform"] = "tag_balanced"
+    selection: Literal["tag_balanced", "uniform", "cycle"] = "tag_balanced"
 
 
 class SamplingSection(_Section):
@@ -236,11 +240,18 @@ class RecastSection(_Section):
 
 
 class EvalSection(_Section):
+    """Image i of a prompt starts from the noise seeded by (prompt text, `seed_offset` + i)
+    (`tasks.evaluate.content_seed`): two evaluations with disjoint index ranges see fresh noise
+    on the same prompts, and equal ones the same noise."""
+
+    hash_if_set: ClassVar[tuple[str, ...]] = ("seed_offset",)
+
     splits: dict[str, str]
     images_per_prompt: int = Field(4, ge=1)
     num_steps: int = Field(10, ge=1)
     guidance_scale: float = Field(4.0, ge=1.0)
     max_prompts: int | None = Field(None, ge=1, description="first N prompts of each split")
+    seed_offset: int = Field(0, ge=0, description="first image index of each prompt's seeds")
 
 
 class Recipe(_Section):

@@ -2,12 +2,16 @@
 window; stores images, the window steps (latents, sampled next latents, per-position log-probs)
 and one `rollouts` row per sample.
 
-Prompts: B distinct prompts of this run's `csgs`, drawn with a generator seeded from (run seed,
-iteration): "tag_balanced" picks a tag uniformly, then a prompt of it; "uniform" picks prompts
-uniformly. Seeds: derive_seed(run seed, iteration, prompt id, sample index), so no draw depends
-on batch position. Blobs (content-addressed): `window steps` safetensors {x0, latents,
-next_latents, log_probs, t, t_next} with sample i at row i, `images` safetensors uint8 [N, 3, H, W]
-(row `blob_index` of each rollouts row), and a PNG contact sheet (one row per prompt).
+Prompts: B distinct prompts of this run's `csgs` (P of them). "tag_balanced" and "uniform" draw them
+with a generator seeded from (run seed, iteration): "tag_balanced" picks a tag uniformly, then a
+prompt of it; "uniform" picks prompts uniformly. "cycle" takes, at iteration k, the prompts at
+positions (k B + j) mod P, j < B, of the prompt file in file order (the csgs rows' stored order:
+build_csgs writes them in file order, a repeated prompt at its first line), so each prompt comes
+back once every ceil(P / B) iterations. B > P is an error. Seeds: derive_seed(run seed, iteration,
+prompt id, sample index), so no draw depends on batch position. Blobs (content-addressed): `window
+steps` safetensors {x0, latents, next_latents, log_probs, t, t_next} with sample i at row i,
+`images` safetensors uint8 [N, 3, H, W] (row `blob_index` of each rollouts row), and a PNG contact
+sheet (one row per prompt).
 
 Cached on the policy hash, the window row, the chosen prompts and the sampling section.
 """
@@ -33,13 +37,24 @@ from tasks.store import Store
 STAGE = "rollout"
 
 
+def cycle_positions(iteration: int, b: int, p: int) -> list[int]:
+    """The file positions of iteration k's B prompts under "cycle": (k B + j) mod P, j < B."""
+    if b > p:
+        raise ValueError(f"prompts.per_iteration = {b} exceeds the {p} prompts of the train file; "
+                         f"set per_iteration <= {p} or use a larger prompt file")
+    return [(iteration * b + j) % p for j in range(b)]
+
+
 def select_prompts(store: Store, recipe: Recipe, csgs: StageRef, iteration: int) -> list[dict]:
     """The iteration's B prompt rows (prompt_id, prompt, tag, graph_json) in draw order."""
-    rows = pq.read_table(store.resolve(csgs.path_with("/csgs/"))).to_pylist()
-    rows.sort(key=lambda r: r["prompt_id"])
+    rows = pq.read_table(store.resolve(csgs.path_with("/csgs/"))).to_pylist()  # file order
     b = recipe.prompts.per_iteration
     if b > len(rows):
-        raise ValueError(f"prompts.per_iteration = {b} but the train set has {len(rows)} prompts")
+        raise ValueError(f"prompts.per_iteration = {b} exceeds the {len(rows)} prompts of "
+                         f"{recipe.prompts.train}; set per_iteration <= {len(rows)}")
+    if recipe.prompts.selection == "cycle":
+        return [rows[i] for i in cycle_positions(iteration, b, len(rows))]
+    rows.sort(key=lambda r: r["prompt_id"])
     rng = np.random.default_rng(derive_seed(recipe.run.seed, "prompts", iteration))
     if recipe.prompts.selection == "uniform":
         return [rows[i] for i in rng.choice(len(rows), size=b, replace=False)]

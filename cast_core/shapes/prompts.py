@@ -24,8 +24,17 @@ A sampled hard-tag prompt never describes the scene of a prompt in another split
 small-tag prompt (scenes compared order-free, "A left of B" equal to "B right of A"): stricter
 than disjoint prompt text. Within train, two word orders of one scene may both appear.
 
-`main` (python -m cast_core.shapes.prompts --out data/prompts --seed 0) writes the three JSONL
-files; it is the one place in this module that does I/O besides `load_prompt_file`.
+The training pool (`make_pool`): POOL_SIZE hard-tag prompts of the train split, each with >=
+MIN_POOL_ATOMS atoms and a distinct scene, none sharing a prompt text or a scene with the held-out
+files (eval, hard), balanced over the three hard tags (11 / 11 / 10 in HARD_TAGS order). Within a
+tag the candidates are taken in file order and the picks evenly spaced over them (candidate
+floor(i n / k) of n, i < k); the tags are then interleaved (one of each in turn), so any window of
+consecutive pool prompts mixes the tags. A fixed pool is what RL trains on when it should learn
+visibly: every prompt comes back every few iterations (`prompts.selection = "cycle"`).
+
+`main` writes the three split files (python -m cast_core.shapes.prompts --out data/prompts --seed
+0) or the pool (python -m cast_core.shapes.prompts pool --out data/prompts/pool.jsonl); it is the
+one place in this module that does I/O besides `load_prompt_file`.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import argparse
 import itertools
 import json
 import random
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +59,7 @@ HARD_TAGS: tuple[str, ...] = ("hard_counted_relation", "hard_three_objects",
 TAGS: tuple[str, ...] = SMALL_TAGS + HARD_TAGS
 SHARED_TAGS: tuple[str, ...] = SMALL_TAGS[:4]  # too few prompts to hold out: in train and eval
 HARD_SIZE, EVAL_COLOR_ATTR, EVAL_PER_HARD_TAG, TRAIN_SIZE, MIN_HARD_ATOMS = 200, 60, 30, 5000, 5
+POOL_SIZE, MIN_POOL_ATOMS = 32, 4
 INVERSE = {"right of": "left of", "below": "above"}
 Clause = tuple[str, int, str | None]
 
@@ -188,6 +199,28 @@ def _even_split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
+def make_pool(train: list[dict[str, Any]], held_out: list[dict[str, Any]], size: int = POOL_SIZE,
+              min_atoms: int = MIN_POOL_ATOMS) -> list[dict[str, Any]]:
+    """`size` records of `train` (the module docstring's pool rules), tags interleaved."""
+    texts = {r["prompt"] for r in held_out}
+    scenes = {scene_key(r) for r in held_out}
+    picks = []
+    for tag, k in zip(HARD_TAGS, _even_split(size, len(HARD_TAGS))):
+        candidates, seen = [], set(scenes)
+        for r in train:
+            key = scene_key(r)
+            if (r["tag"] == tag and r["prompt"] not in texts and key not in seen
+                    and atom_count(r) >= min_atoms):
+                candidates.append(r)
+                seen.add(key)
+        if len(candidates) < k:
+            raise ValueError(f"only {len(candidates)} {tag} train prompts qualify for the pool, "
+                             f"{k} asked; ask for a smaller pool")
+        picks.append([candidates[i * len(candidates) // k] for i in range(k)])
+    return [tag_picks[i] for i in range(max(map(len, picks))) for tag_picks in picks
+            if i < len(tag_picks)]
+
+
 def load_prompt_file(path: str | Path) -> list[dict[str, Any]]:
     """Records of a shapes-world JSONL prompt file, each line checked (see `check_record`)."""
     records = []
@@ -233,8 +266,30 @@ def _check_clause(clause: Any, low: int, high: int, keys: set[str]) -> None:
         raise ValueError(f"clause {clause!r}: count must be an int in {low}..{high}")
 
 
+def pool_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cast_core.shapes.prompts pool",
+                                     description="Write the RL training pool (module docstring).")
+    parser.add_argument("--out", type=Path, default=Path("data/prompts/pool.jsonl"))
+    parser.add_argument("--train", type=Path, default=Path("data/prompts/train.jsonl"))
+    parser.add_argument("--held-out", type=Path, nargs="+",
+                        default=[Path("data/prompts/eval.jsonl"), Path("data/prompts/hard.jsonl")])
+    parser.add_argument("--size", type=int, default=POOL_SIZE)
+    args = parser.parse_args(argv)
+    held_out = [r for path in args.held_out for r in load_prompt_file(path)]
+    records = make_pool(load_prompt_file(args.train), held_out, args.size)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    tags = Counter(r["tag"] for r in records)
+    print(f"{args.out}: {len(records)} prompts; " + ", ".join(f"{t} {tags[t]}" for t in HARD_TAGS))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the shapes-world prompt splits.")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pool"]:
+        pool_main(argv[1:])
+        return
+    parser = argparse.ArgumentParser(description="Write the shapes-world prompt splits (or, with "
+                                     "`pool` first, the training pool).")
     parser.add_argument("--out", type=Path, default=Path("data/prompts"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
