@@ -2,9 +2,20 @@
 
 Variant: CAST atom advantages (DESIGN.md section 4) plus the Flow-GRPO scalar baseline.
 
-Atom advantage. Within the G samples of one prompt, each atom's score is z-scored:
-    A[b, g, a] = (s[b, g, a] - mean_g s[b, :, a]) / max(std_g s[b, :, a], std_floor).
-The std is the *population* std (ddof = 0), as numpy's default that Flow-GRPO's group
+Atom advantage. Within the G samples of one prompt, each atom's score is centred on its group
+mean and divided by a scale, `atom_norm` "atom" (the CAST paper's per-atom z-score) or "pooled":
+    "atom":    A[b, g, a] = (s[b, g, a] - mean_g s[b, :, a]) / max(std_g s[b, :, a], std_floor)
+    "pooled":  A[b, g, a] = (s[b, g, a] - mean_g s[b, :, a]) / max(sigma_b, std_floor),
+               sigma_b^2 = mean over the prompt's valid atoms a of var_g s[b, :, a].
+"atom" gives every atom unit spread however little its score varies, so an atom that is nearly
+decided (scores 1.00 in 15 samples, 0.94 in one) turns rounding-size differences into advantages
+of -3.9, which then outweigh the atoms that matter (measured on the shapes world, issue 17).
+"pooled" (ours) keeps each atom's deviation in the units of the prompt's pooled spread: nearly
+decided atoms get nearly 0, and the mean over atoms is (R - mean_g R) / sigma_b with R the mean
+atom score, i.e. Flow-GRPO's scalar advantage times std_g R / sigma_b (<= 1): with uniform
+heatmaps, CAST's credit is Flow-GRPO's up to a per-prompt factor. A prompt whose pooled spread
+is <= std_floor is a tie (all its advantages 0).
+Every std is the *population* std (ddof = 0), as numpy's default that Flow-GRPO's group
 statistics use: it is defined for every G >= 1 and gives each group's z-scores a root-mean-square
 of exactly 1, so the advantage scale does not depend on G. A group whose std is <= std_floor is
 a tie: its advantages are set to exactly 0 (the mean of equal floats can be off by one rounding,
@@ -23,8 +34,15 @@ Pixel map, for one sample and its valid atoms a (heatmaps H_a >= 0 on an H x W g
     H~_a(u)     = Hn_a(u) / mean_u Hn_a(u)  (= H_a / mean_u H_a, so each map has mean 1)
     coverage(u) = max_a Hn_a(u)                            in [0, 1]
     A_bar       = mean_a A_a
-    M(u)        = (1/|A_valid|) sum_a A_a H~_a(u) + global_weight * (1 - coverage(u)) * A_bar
+    M(u)        = (1/|A_valid|) sum_a A_a [lam H~_a(u) + 1 - lam]
+                  + global_weight * (1 - coverage(u)) * A_bar
     M(u)       <- clamp(M(u), -clip, clip);   mass = mean_u |M(u)|.
+`spatial_mix` lam in [0, 1] (ours; 1 = DESIGN.md's map) mixes each atom's heatmap with a uniform
+map of the same mean: lam = 0 gives the constant A_bar (no projection), and before the clamp the
+policy gradient is linear in M, so lam interpolates between the projected and the uniform credit.
+It exists because pixel credit assumes that an atom's outcome depends on the actions inside its
+region; on the shapes backbone the SDE noise of the first window steps moves the other quadrants'
+colour as much, in total, as its own (issue 17's locality probe), so lam < 1 hedges that bias.
 With `heatmap_norm = "peak"` (an option, not DESIGN.md's) H~_a = Hn_a: an atom's credit is at
 most A_a per pixel whatever its region's area, instead of being concentrated as A_a / area on a
 small region (the mass normalisation above, whose clamp then cuts small objects' credit).
@@ -60,17 +78,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 HeatmapNorm = Literal["mass", "peak"]
+AtomNorm = Literal["atom", "pooled"]
 
 
 @dataclass(frozen=True)
 class AtomAdvantages:
     """advantages [B, G, A] (0 at padded or tied atoms); mean, std [B, A] over the group
-    (0 at padded atoms); zero_variance [B, A] bool: a valid atom whose group std <= std_floor."""
+    (0 at padded atoms); zero_variance [B, A] bool: a valid atom whose group std <= std_floor
+    (or, with "pooled", whose prompt's pooled spread is); scale [B, A]: the divisor used
+    (clamped to std_floor; the atom's std for "atom", the prompt's sigma_b for "pooled")."""
 
     advantages: Tensor
     mean: Tensor
     std: Tensor
     zero_variance: Tensor
+    scale: Tensor
 
 
 @dataclass(frozen=True)
@@ -109,19 +131,31 @@ def _check_atoms(scores: Tensor, atom_mask: Tensor) -> None:
         )
 
 
-def atom_advantages(scores: Tensor, atom_mask: Tensor, std_floor: float = 1e-4) -> AtomAdvantages:
-    """Per-atom z-scores within each prompt group. scores [B, G, A], atom_mask [B, A] bool."""
+def atom_advantages(scores: Tensor, atom_mask: Tensor, std_floor: float = 1e-4,
+                    norm: AtomNorm = "atom") -> AtomAdvantages:
+    """Centred, scaled atom scores within each prompt group (module docstring).
+    scores [B, G, A], atom_mask [B, A] bool; norm "atom" (per-atom z-score) or "pooled"."""
     _check_atoms(scores, atom_mask)
     if std_floor <= 0:
         raise ValueError(f"std_floor must be > 0, got {std_floor}; use e.g. 1e-4")
+    if norm not in ("atom", "pooled"):
+        raise ValueError(f"norm must be 'atom' or 'pooled'; got {norm!r}")
     s = torch.where(atom_mask[:, None, :], scores, torch.zeros_like(scores))  # [B, G, A]
     mean = s.mean(dim=1)  # [B, A]
     std = s.std(dim=1, correction=0)  # [B, A]
     zero_variance = (std <= std_floor) & atom_mask  # [B, A]
+    if norm == "atom":
+        scale = std
+    else:
+        n_valid = atom_mask.sum(dim=1).clamp_min(1).to(std.dtype)  # [B]
+        pooled = (torch.where(atom_mask, std, 0.0) ** 2).sum(dim=1) / n_valid  # [B]
+        scale = pooled.sqrt()[:, None].expand_as(std)  # [B, A]
+        zero_variance = zero_variance | ((scale <= std_floor) & atom_mask)
+    scale = scale.clamp_min(std_floor)
     live = atom_mask & ~zero_variance  # [B, A]
-    z = (s - mean[:, None, :]) / std.clamp_min(std_floor)[:, None, :]  # [B, G, A]
+    z = (s - mean[:, None, :]) / scale[:, None, :]  # [B, G, A]
     advantages = torch.where(live[:, None, :], z, torch.zeros_like(z))
-    return AtomAdvantages(advantages, mean, std, zero_variance)
+    return AtomAdvantages(advantages, mean, std, zero_variance, scale)
 
 
 def gate_by_parents(
@@ -211,12 +245,15 @@ def _atom_weights(advantages: Tensor, atom_mask: Tensor) -> Tensor:
 
 def _grouped_maps(
     advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, onehot: Tensor, global_weight: float,
-    heatmap_norm: HeatmapNorm = "mass",
+    heatmap_norm: HeatmapNorm = "mass", spatial_mix: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """(unclamped maps M_T [N, T, H, W], coverage [N, H, W]); onehot [N, A, T] puts atoms in
     groups (module docstring)."""
     if heatmap_norm not in ("mass", "peak"):
         raise ValueError(f"heatmap_norm must be 'mass' or 'peak'; got {heatmap_norm!r}")
+    if not 0.0 <= spatial_mix <= 1.0:
+        raise ValueError(f"spatial_mix must lie in [0, 1] (1 = heatmaps only, 0 = uniform); "
+                         f"got {spatial_mix!r}")
     valid = atom_mask[:, :, None, None]  # [N, A, 1, 1]
     h = torch.where(valid, heatmaps, torch.ones_like(heatmaps))  # [N, A, H, W]
     if not torch.isfinite(h).all() or (h < 0).any():
@@ -226,6 +263,8 @@ def _grouped_maps(
     peak = h.amax(dim=(-2, -1), keepdim=True)  # [N, A, 1, 1]
     hn = torch.where(peak > 0, h / peak.clamp_min(torch.finfo(dtype).tiny), 1.0)  # [N, A, H, W]
     h_tilde = hn / hn.mean(dim=(-2, -1), keepdim=True) if heatmap_norm == "mass" else hn
+    if spatial_mix != 1.0:
+        h_tilde = spatial_mix * h_tilde + (1.0 - spatial_mix)  # [N, A, H, W]
     coverage = torch.where(valid, hn, 0.0).amax(dim=1)  # [N, H, W]
     w = _atom_weights(advantages.to(dtype), atom_mask)[:, :, None] * onehot.to(dtype)  # [N, A, T]
     atom_term = torch.einsum("nat,nahw->nthw", w, h_tilde)  # [N, T, H, W]
@@ -235,7 +274,7 @@ def _grouped_maps(
 
 def pixel_advantage_map(
     advantages: Tensor, heatmaps: Tensor, atom_mask: Tensor, global_weight: float, clip: float,
-    heatmap_norm: HeatmapNorm = "mass",
+    heatmap_norm: HeatmapNorm = "mass", spatial_mix: float = 1.0,
 ) -> PixelMap:
     """Project atom advantages [N, A] through heatmaps [N, A, H, W] (>= 0); see module docstring."""
     _check_map_inputs(advantages, heatmaps, atom_mask)
@@ -243,7 +282,7 @@ def pixel_advantage_map(
         raise ValueError(f"clip must be > 0, got {clip}; use e.g. 5.0")
     one_group = atom_mask[:, :, None]  # [N, A, 1]
     m, coverage = _grouped_maps(advantages, heatmaps, atom_mask, one_group, global_weight,
-                                heatmap_norm)
+                                heatmap_norm, spatial_mix)
     has_atoms = atom_mask.any(dim=1)[:, None, None]  # [N, 1, 1]
     m = torch.where(has_atoms, m[:, 0].clamp(-clip, clip), 0.0)  # [N, H, W]
     return PixelMap(m, coverage, m.abs().mean(dim=(-2, -1)))
@@ -257,6 +296,7 @@ def grouped_advantage_maps(
     num_groups: int,
     global_weight: float,
     heatmap_norm: HeatmapNorm = "mass",
+    spatial_mix: float = 1.0,
 ) -> Tensor:
     """Group T's share of the unclamped pixel map -> [N, T, H, W] (module docstring): advantages
     [N, A], heatmaps [N, A, H, W], atom_mask [N, A], groups [N, A] int64 in [0, num_groups) at
@@ -270,7 +310,8 @@ def grouped_advantage_maps(
         raise ValueError(f"groups at valid atoms must lie in [0, num_groups={num_groups}); got "
                          f"values {sorted(set(g[atom_mask].tolist()))}")
     onehot = F.one_hot(g, num_groups) * atom_mask[:, :, None]  # [N, A, T]
-    return _grouped_maps(advantages, heatmaps, atom_mask, onehot, global_weight, heatmap_norm)[0]
+    return _grouped_maps(advantages, heatmaps, atom_mask, onehot, global_weight, heatmap_norm,
+                         spatial_mix)[0]
 
 
 def step_weighted_maps(group_maps: Tensor, weights: Tensor, clip: float) -> Tensor:

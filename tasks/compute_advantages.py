@@ -103,7 +103,7 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
                     s[bi, gi, ai] = r["score"]
                     heat[bi, gi, ai] = torch.from_numpy(np.asarray(r["heatmap"], np.float32)
                                                         ).view(hh, ww)
-        adv = atom_advantages(s, mask, cfg.std_floor)
+        adv = atom_advantages(s, mask, cfg.std_floor, cfg.atom_norm)
         a = adv.advantages
         gated = torch.zeros_like(a, dtype=torch.bool)  # [B, G, A]
         if cfg.gate_by_parents:
@@ -116,10 +116,11 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
         flat_heat = heat.reshape(b * g, a_max, hh, ww)  # [N, A, H, W]
         flat_mask = mask.repeat_interleave(g, 0)  # [N, A]
         pix = pixel_advantage_map(flat_a, flat_heat, flat_mask, cfg.global_weight, cfg.clip,
-                                  cfg.heatmap_norm)
+                                  cfg.heatmap_norm, cfg.spatial_mix)
         by_type = grouped_advantage_maps(flat_a, flat_heat, flat_mask,
                                          types.repeat_interleave(g, 0), len(TYPE_ORDER),
-                                         cfg.global_weight, cfg.heatmap_norm)  # [N, 4, H, W]
+                                         cfg.global_weight, cfg.heatmap_norm,
+                                         cfg.spatial_mix)  # [N, 4, H, W]
         h, w = _log_prob_grid(store, samples[0]["latents_path"])
         maps = pool_to_grid(pix.map, h, w)  # [N, h, w]
         type_maps = pool_to_grid(by_type.flatten(0, 1), h, w).view(b * g, len(TYPE_ORDER), h, w)

@@ -171,9 +171,14 @@ class AdvantageSection(_Section):
     constant mean of its atoms' advantages, clamped to `clip`, trained through the spatial loss).
     `gate_by_parents`, `global_weight` and `clip` shape the atom kinds; `reward` and
     `scalar_mode` the scalar one; `std_floor` bounds every group std; `heatmap_norm` "mass"
-    (each heatmap rescaled to mean 1, DESIGN.md) or "peak" (to peak 1; `cast_core.advantage`)."""
+    (each heatmap rescaled to mean 1, DESIGN.md) or "peak" (to peak 1; `cast_core.advantage`);
+    `atom_norm` "atom" (per-atom z-score, the paper's) or "pooled" (each atom's deviation over
+    the prompt's pooled atom spread, so nearly decided atoms get nearly no credit and the mean
+    over atoms is Flow-GRPO's advantage up to a per-prompt factor); `spatial_mix` in [0, 1]: the
+    share of each atom's credit projected through its heatmap, the rest spread uniformly (1 =
+    the paper's map, 0 = no projection)."""
 
-    hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm",)
+    hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm", "atom_norm", "spatial_mix")
 
     kind: Literal["spatial", "scalar", "atom"]
     gate_by_parents: bool = True
@@ -183,6 +188,8 @@ class AdvantageSection(_Section):
     scalar_mode: Literal["group", "global_std"] = "group"
     std_floor: float = Field(1e-4, gt=0.0)
     heatmap_norm: Literal["mass", "peak"] = "mass"
+    atom_norm: Literal["atom", "pooled"] = "atom"
+    spatial_mix: float = Field(1.0, ge=0.0, le=1.0)
 
 
 class TrainSection(_Section):

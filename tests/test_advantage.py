@@ -276,3 +276,73 @@ def test_peak_group_maps_sum_to_the_peak_map():
     unclamped = pixel_advantage_map(adv, heat, mask, 0.7, 1e9, heatmap_norm="peak").map
     torch.testing.assert_close(maps.sum(dim=1), unclamped)
     assert not torch.allclose(unclamped, pixel_advantage_map(adv, heat, mask, 0.7, 1e9).map)
+
+
+def test_pooled_norm_matches_hand_formula_and_mean_is_scaled_scalar():
+    s = torch.tensor([[[0.2, 0.9, 0.5], [0.4, 0.9, 0.5], [0.9, 0.1, 0.5], [0.6, 0.8, 0.5]]],
+                     dtype=torch.float64)  # [B=1, G=4, A=3]; atom 2 is tied
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    out = atom_advantages(s, mask, norm="pooled")
+    cols = [[float(s[0, g, a]) for g in range(4)] for a in range(3)]
+    means = [sum(c) / 4 for c in cols]
+    variances = [sum((x - m) ** 2 for x in c) / 4 for c, m in zip(cols, means)]
+    sigma = math.sqrt(sum(variances) / 3)  # pooled over the prompt's three atoms
+    for a in range(3):
+        expected = torch.tensor([(x - means[a]) / sigma for x in cols[a]], dtype=torch.float64)
+        torch.testing.assert_close(out.advantages[0, :, a], expected)
+    assert torch.equal(out.advantages[0, :, 2], torch.zeros(4, dtype=torch.float64))  # exact 0
+    assert out.zero_variance.tolist() == [[False, False, True]]
+    torch.testing.assert_close(out.scale, torch.full((1, 3), sigma, dtype=torch.float64))
+    # the mean over atoms is Flow-GRPO's scalar advantage times std(R) / sigma
+    reward = atom_reward(s, mask)  # [1, 4]
+    scalar = scalar_advantages(reward).advantages
+    factor = reward.std(dim=1, correction=0) / sigma  # [1]
+    torch.testing.assert_close(out.advantages.mean(dim=-1), scalar * factor[:, None])
+    assert float(factor) <= 1.0
+
+
+def test_pooled_norm_keeps_a_nearly_decided_atom_small():
+    # 15 samples at 1.00 and one at 0.94: the per-atom z-score gives the odd one -3.9, the
+    # pooled scale (dominated by the atom that varies, sigma ~ 0.22) gives it -0.056 / 0.22
+    g = 16
+    decided = torch.ones(g, dtype=torch.float64)
+    decided[3] = 0.94
+    varying = torch.linspace(0.0, 1.0, g, dtype=torch.float64)
+    s = torch.stack([decided, varying], dim=-1)[None]  # [1, 16, 2]
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    per_atom = atom_advantages(s, mask, norm="atom").advantages[0, 3, 0]
+    pooled = atom_advantages(s, mask, norm="pooled").advantages[0, 3, 0]
+    assert per_atom < -3.8
+    sigma = math.sqrt((s[0].var(dim=0, correction=0)).mean().item())
+    assert pooled.item() == pytest.approx(-0.06 * 15 / 16 / sigma)
+    assert -0.3 < pooled < 0.0
+
+
+def test_pooled_norm_tied_prompt_and_padding_give_exact_zero():
+    s = torch.rand(2, 5, 3, dtype=torch.float64)
+    s[1] = 0.3  # prompt 1: every atom tied
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    out = atom_advantages(s, mask, norm="pooled")
+    assert torch.equal(out.advantages[1], torch.zeros(5, 3, dtype=torch.float64))
+    assert torch.equal(out.advantages[0, :, 2], torch.zeros(5, dtype=torch.float64))
+    assert out.zero_variance[1].all()
+    with pytest.raises(ValueError, match="'atom' or 'pooled'"):
+        atom_advantages(s, mask, norm="z")
+
+
+def test_spatial_mix_interpolates_between_the_map_and_the_constant_credit():
+    torch.manual_seed(1)
+    adv = torch.randn(3, 2)  # [N, A]
+    heat = torch.rand(3, 2, 8, 8)
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    full = pixel_advantage_map(adv, heat, mask, global_weight=0.0, clip=100.0).map
+    flat = pixel_advantage_map(adv, heat, mask, global_weight=0.0, clip=100.0,
+                               spatial_mix=0.0).map
+    torch.testing.assert_close(flat, adv.mean(dim=1)[:, None, None].expand(3, 8, 8))
+    mixed = pixel_advantage_map(adv, heat, mask, global_weight=0.0, clip=100.0,
+                                spatial_mix=0.3).map
+    torch.testing.assert_close(mixed, 0.3 * full + 0.7 * flat)
+    # every mix keeps the spatial mean (mass normalisation): A_bar
+    torch.testing.assert_close(mixed.mean(dim=(-2, -1)), adv.mean(dim=1))
+    with pytest.raises(ValueError, match="spatial_mix"):
+        pixel_advantage_map(adv, heat, mask, 0.0, 5.0, spatial_mix=1.5)
