@@ -21,13 +21,17 @@ spec's hash.
 One checkpoint may be evaluated under several eval sections (a per-iteration probe and a final
 evaluation, say): the `evals` part is named by run, iteration and the sorted split names, so
 evaluations of different splits sit side by side, while a re-evaluation of the same splits
-replaces the previous one. `grid_paths` finds the image grid of each split of an evaluation."""
+replaces the previous one. Beside the rows, a JSON blob keeps every image's atom scores (prompt
+and image index; for intervals with prompts as clusters); `eval_outputs` finds it and each
+split's grid."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import re
+from dataclasses import dataclass
 
 import torch
 from prefect import task
@@ -160,6 +164,29 @@ def cache_key(store: Store, recipe: Recipe, iteration: int) -> str:
                     {"checkpoint": policy.policy_hash, "spec": eval_spec_hash(recipe)})
 
 
+def _evaluate_split(recipe: Recipe, backbone, score, build, embedder, base: dict,
+                    path: str) -> tuple[list[dict], bytes, dict]:
+    """One split -> its `evals` rows, its image grid (PNG bytes) and its per-image scores."""
+    ev = recipe.eval
+    records = load_prompts(recipe, path)[:ev.max_prompts]
+    graphs = [build(r) for r in records]
+    texts = [r["prompt"] for r in records]
+    prompts = [t for t in texts for _ in range(ev.images_per_prompt)]
+    seeds = eval_seeds(texts, ev.images_per_prompt, ev.seed_offset)
+    images = _sample_images(backbone, prompts, seeds, recipe)  # [N, 3, H, W] CPU
+    flat = [g for g in graphs for _ in range(ev.images_per_prompt)]
+    scored = score_in_chunks(score, images, flat, recipe.sampling.chunk_size)
+    results = [ImageResult(g.tag or "untagged", s, tuple(a.type for a in g.atoms()))
+               for g, (s, _) in zip(flat, scored)]
+    hf = high_frequency_energy(images)  # [N]
+    rows = _group_rows(base, results, hf, _diversity(embedder, images, ev.images_per_prompt))
+    grid = contact_sheet((images[:64] * 255).round().to(torch.uint8), ev.images_per_prompt)
+    per_image = {"prompts": texts, "images_per_prompt": ev.images_per_prompt,
+                 "seed_offset": ev.seed_offset,
+                 "scores": [[round(float(x), 6) for x in r.scores] for r in results]}
+    return rows, grid, per_image
+
+
 def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRef:
     """Evaluate the policy after `iteration`'s training (-1: the base model)."""
     run_id, ev = recipe.run.name, recipe.eval
@@ -171,26 +198,16 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
         backbone, _ = load_policy(recipe, lora)
         _, score = scorer(recipe)
         build, embedder = graph_builder(recipe), _diversity_embedder(recipe)
-        spec, rows, refs = eval_spec_hash(recipe), [], []
+        spec, rows, refs, per_image = eval_spec_hash(recipe), [], [], {}
         for split, path in sorted(ev.splits.items()):
-            records = load_prompts(recipe, path)[:ev.max_prompts]
-            graphs = [build(r) for r in records]
-            prompts = [r["prompt"] for r in records for _ in range(ev.images_per_prompt)]
-            seeds = eval_seeds([r["prompt"] for r in records], ev.images_per_prompt,
-                               ev.seed_offset)
-            images = _sample_images(backbone, prompts, seeds, recipe)  # [N, 3, H, W] CPU
-            flat = [g for g in graphs for _ in range(ev.images_per_prompt)]
-            scored = score_in_chunks(score, images, flat, recipe.sampling.chunk_size)
-            results = [ImageResult(g.tag or "untagged", s, tuple(a.type for a in g.atoms()))
-                       for g, (s, _) in zip(flat, scored)]
             base = {"run_id": run_id, "iteration": iteration,
                     "checkpoint_hash": policy.policy_hash, "eval_spec_hash": spec,
                     "split": split}
-            hf = high_frequency_energy(images)  # [N]
-            rows += _group_rows(base, results, hf,
-                                _diversity(embedder, images, ev.images_per_prompt))
-            grid = (images[:64] * 255).round().to(torch.uint8)
-            refs.append(store.put_blob(contact_sheet(grid, ev.images_per_prompt), "png"))
+            split_rows, grid, per_image[split] = _evaluate_split(recipe, backbone, score, build,
+                                                                 embedder, base, path)
+            rows += split_rows
+            refs.append(store.put_blob(grid, "png"))
+        refs.append(store.put_blob(json.dumps(per_image, sort_keys=True).encode(), "json"))
         refs.append(store.put_blob(_plot(rows, f"{run_id}: iteration {iteration}"), "png"))
         part = evals_part(run_id, iteration, list(ev.splits))
         refs.append(store.write_table("evals", rows, part))
@@ -202,15 +219,31 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
 evaluate_task = stage_task(evaluate_checkpoint, STAGE, cache_key)
 
 
-def grid_paths(store: Store, recipe: Recipe, iteration: int) -> dict[str, str]:
-    """{split: store path of its image grid PNG} of this recipe's evaluation of the checkpoint
-    (the stage's outputs are the grids in sorted split order, the plot, then the evals part)."""
+@dataclass(frozen=True)
+class EvalOutputs:
+    """Where one evaluation's blobs are: grids {split: PNG path} (the first 64 images, one row
+    per prompt) and image_scores (JSON path: {split: {"prompts": [text], "images_per_prompt",
+    "seed_offset", "scores": [[atom score] per image, prompt-major]}})."""
+
+    grids: dict[str, str]
+    image_scores: str
+
+
+def eval_outputs(store: Store, recipe: Recipe, iteration: int) -> EvalOutputs:
+    """The blobs of this recipe's finished evaluation of the checkpoint (the stage's outputs are
+    the grids in sorted split order, the per-image scores, the plot, then the evals part)."""
     done = store.stage_done(recipe.run.name, iteration, STAGE, cache_key(store, recipe, iteration))
     if done is None:
         raise FileNotFoundError(f"run {recipe.run.name!r}: iteration {iteration} has no finished "
                                 f"evaluation under this eval section in {store.root}")
     pngs = [p for p in done.paths if p.endswith(".png")]
-    return dict(zip(sorted(recipe.eval.splits), pngs[:-1], strict=True))
+    (scores,) = [p for p in done.paths if p.endswith(".json")]
+    return EvalOutputs(dict(zip(sorted(recipe.eval.splits), pngs[:-1], strict=True)), scores)
+
+
+def read_image_scores(store: Store, outputs: EvalOutputs) -> dict:
+    """The per-image scores JSON of an evaluation (EvalOutputs.image_scores), parsed."""
+    return json.loads(store.resolve(outputs.image_scores).read_text())
 
 
 def latest_checkpoint(store: Store, recipe: Recipe) -> int:

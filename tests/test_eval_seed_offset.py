@@ -12,7 +12,13 @@ from PIL import Image
 from pipeline_helpers import ci_recipe
 
 from tasks.evaluate import content_seed
-from tasks.evaluate_checkpoint import eval_seeds, eval_spec_hash, evaluate_checkpoint, grid_paths
+from tasks.evaluate_checkpoint import (
+    eval_outputs,
+    eval_seeds,
+    eval_spec_hash,
+    evaluate_checkpoint,
+    read_image_scores,
+)
 from tasks.store import Store
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
@@ -55,9 +61,14 @@ def test_an_offset_evaluation_reuses_the_noise_of_the_matching_index(tmp_path):
                                        "eval.images_per_prompt": 1, "eval.seed_offset": 1})
     evaluate_checkpoint(store, first, -1)
     evaluate_checkpoint(store, second, -1)
-    a, b = grid_paths(store, first, -1)["a"], grid_paths(store, second, -1)["b"]
+    out_a, out_b = eval_outputs(store, first, -1), eval_outputs(store, second, -1)
+    a, b = out_a.grids["a"], out_b.grids["b"]
     assert np.array_equal(_grid_image(store, a, 1), _grid_image(store, b, 0))  # index 1 in both
     assert not np.array_equal(_grid_image(store, a, 0), _grid_image(store, b, 0))
+    scores_a, scores_b = read_image_scores(store, out_a)["a"], read_image_scores(store, out_b)["b"]
+    assert scores_a["scores"][1] == scores_b["scores"][0]  # the same image, scored alike
+    assert (scores_a["seed_offset"], scores_b["seed_offset"]) == (0, 1)
+    assert scores_a["prompts"] == scores_b["prompts"] and len(scores_a["scores"]) == 2
     rows = store.read_table("evals", {"run_id": first.run.name, "group_kind": "overall"})
     assert sorted(rows.column("split").to_pylist()) == ["a", "b"]  # both parts kept
     assert evaluate_checkpoint(store, first, -1).skipped  # the first is still cached
