@@ -4,13 +4,16 @@ Variant: PPO-style clipped surrogate (as in Flow-GRPO), applied per latent posit
 
 Inputs are per-position Gaussian log-probs [N, K, h, w] (or [N, h, w]) in fp32: the mean over
 channels at each position of one SDE step's log-density (see sde.py). For one position,
-    r = exp(l_new - l_old),    L = -mean_{n, k, u} min(r M, clip(r, 1 - eps, 1 + eps) M),
+    r = exp(l_new - l_old),    loss = -mean_{n, k, u} min(r M, clip(r, 1 - eps, 1 + eps) M),
 with M the advantage map (broadcast over steps when it has no K axis). The scalar baseline uses
 Flow-GRPO's all-dims ratio r = exp(mean_u l_new - mean_u l_old) per sample and step, with one
 advantage A per sample.
 
-Diagnostics: approx_kl is the k3 estimator mean((r - 1) - log r) (Schulman's unbiased,
-non-negative estimate of KL(old || new) from samples of the old policy); clip_fraction is the
+Diagnostics: ratio_k3 is Schulman's k3, mean((r - 1) - log r), of the loss's own ratio r: per
+position (spatial) or of the all-dims mean (scalar). It is not a KL per sample: log r there is a
+mean over C (spatial) or over D = C h w dimensions (scalar), so for the scalar ratio it is about
+KL / D^2, KL the per-sample KL below (a move of 0.06 nats per sample and step reads as 6e-9 on
+the shapes world's 3 x 32 x 32 latents). The KL in nats is `summed_kl`. clip_fraction is the
 fraction of positions with |r - 1| > eps; adv_mass = mean |M| over the positions used. The
 per-step versions ratio_mean_per_step and clip_fraction_per_step [K] take the same weighted means
 over every axis but the window-step axis (dim 1 of [N, K, h, w] inputs; one entry for [N, h, w]);
@@ -26,7 +29,21 @@ starting point to tune by watching clip_fraction (aim for a few percent to ~20%)
 KL to the reference: one SDE step is a diagonal Gaussian with a shared std, so
 KL(N(mu_p, s^2) || N(mu_r, s^2)) = (mu_p - mu_r)^2 / (2 s^2) per dimension. `gaussian_step_kl`
 uses this form directly (the general `gaussian_kl` reduces to it but subtracts 1/2 - 1/2, which
-loses precision when the policy is close to the reference). The trainer adds beta * KL.
+loses precision when the policy is close to the reference). `gaussian_step_kl` returns the mean
+over channels at each position; the trainer's loss term is beta times its mean over positions,
+samples and steps (Flow-GRPO's convention: the all-dims mean KL), and it reports the KL summed
+over all D = C h w dims of a sample and step (= D times that mean) as nats.
+
+KL to the rollout's policy in nats (`summed_kl`). Samples x come from the old (rollout) policy;
+the summed log-ratio of one sample and window step is L = log new(x) - log old(x) =
+C sum_u (l_new_u - l_old_u), the per-position log-probs l being means over C channels. With
+r = exp(L), KL(old || new) = E_old[-L], and Schulman's k3, (r - 1) - log r = exp(L) - 1 - L, is
+an unbiased (E_old[r] = 1), non-negative estimate of it, of lower variance than k1 = -L for
+small moves (for large ones exp(L) makes it heavy-tailed: compare with k1). For
+two Gaussians sharing a std s, with d = (mu_new - mu_old) / s and x = mu_old + s z:
+L = -|d|^2 / 2 + d.z, so E[-L] = |d|^2 / 2 (the closed-form KL) and Var(L) = |d|^2 = 2 KL.
+exp(L) is taken in float64 with L clamped above at `MAX_LOG_RATIO` (only a large positive L can
+overflow; a large negative L, the common sign of a big move, is kept exactly).
 """
 
 from dataclasses import dataclass
@@ -34,17 +51,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+MAX_LOG_RATIO = 50.0  # exp(50) ~ 5e21: finite in float64, and no real estimate gets near it
+
 
 @dataclass(frozen=True)
 class PolicyLossStats:
-    """Detached tensors: clip_fraction, ratio_mean, ratio_std (population), approx_kl (k3),
-    adv_mass (mean |advantage| over the positions or samples used), all 0-d; ratio_mean_per_step
-    and clip_fraction_per_step [K] in window-step order ([1] for inputs without a step axis)."""
+    """Detached tensors: clip_fraction, ratio_mean, ratio_std (population), ratio_k3 (k3 of the
+    loss's own ratio, in float64, not a KL per sample: see the module docstring), adv_mass (mean |advantage|
+    over the positions or samples used), all 0-d; ratio_mean_per_step and clip_fraction_per_step
+    [K] in window-step order ([1] for inputs without a step axis)."""
 
     clip_fraction: Tensor
     ratio_mean: Tensor
     ratio_std: Tensor
-    approx_kl: Tensor
+    ratio_k3: Tensor
     adv_mass: Tensor
     ratio_mean_per_step: Tensor
     clip_fraction_per_step: Tensor
@@ -100,7 +120,7 @@ def _stats(
             clip_fraction=mean(clipped),
             ratio_mean=r_mean,
             ratio_std=mean((r - r_mean) ** 2).sqrt(),
-            approx_kl=mean((r - 1.0) - log_ratio),
+            ratio_k3=mean(torch.expm1(log_ratio.double()) - log_ratio.double()),  # float64: >= 0
             adv_mass=mean(adv.abs()),
             ratio_mean_per_step=per_step(r),
             clip_fraction_per_step=per_step(clipped),
@@ -194,3 +214,34 @@ def gaussian_step_kl(mean_policy: Tensor, mean_ref: Tensor, std: Tensor | float)
         raise ValueError("std must be > 0 for a Gaussian KL; the ODE step (noise 0) has no KL")
     kl = (mean_policy - mean_ref) ** 2 / (2 * std**2)  # [N, C, h, w]
     return kl.mean(dim=1)  # [N, h, w]
+
+
+@dataclass(frozen=True)
+class SummedKl:
+    """KL(old || new) in nats per sample and window step, summed over all C h w dims; 0-d float64
+    means over samples and steps. k3: mean(exp(L) - 1 - L), unbiased and >= 0; k1: mean(-L),
+    unbiased, may be < 0 (a cross-check)."""
+
+    k3: Tensor
+    k1: Tensor
+
+
+def summed_log_ratio(log_prob_new: Tensor, log_prob_old: Tensor, channels: int) -> Tensor:
+    """L = C sum_u (l_new_u - l_old_u) in float64: log-probs [N, K, h, w] -> [N, K] (or
+    [N, h, w] -> [N]), per-position log-probs being means over `channels` (C) channels."""
+    if log_prob_new.shape != log_prob_old.shape or log_prob_new.dim() not in (3, 4):
+        raise ValueError(
+            f"log-probs must share a shape [N, K, h, w] or [N, h, w]: got "
+            f"{tuple(log_prob_new.shape)} and {tuple(log_prob_old.shape)}"
+        )
+    diff = log_prob_new.detach().double() - log_prob_old.detach().double()  # [N, K, h, w]
+    return channels * diff.sum(dim=(-2, -1))  # [N, K]
+
+
+def summed_kl(log_prob_new: Tensor, log_prob_old: Tensor, channels: int) -> SummedKl:
+    """KL(old || new) in nats per sample and step from samples of the old policy (k3 and k1 of
+    the summed log-ratio, see the module docstring). log_prob_* [N, K, h, w] or [N, h, w]."""
+    log_ratio = summed_log_ratio(log_prob_new, log_prob_old, channels)  # [N, K]
+    clamped = log_ratio.clamp(max=MAX_LOG_RATIO)
+    k3 = (clamped.exp() - 1.0 - clamped).mean()
+    return SummedKl(k3=k3, k1=(-log_ratio).mean())

@@ -2,38 +2,58 @@
 
 Variant: Flow-GRPO's update (PPO-style clipped surrogate on SDE steps, optional KL to the frozen
 base model) with either CAST's per-position advantage maps ("spatial") or Flow-GRPO's scalar
-advantages ("scalar"); the objectives themselves live in ``cast_core.loss``.
+advantages ("scalar"); the objectives themselves live in ``cast_core.loss``. Both objectives go
+through exactly the same loop below (same accumulation, same optimizer steps).
 
 LoRA: ``add_lora`` adds one adapter through diffusers' PEFT integration (``add_adapter``) with
 PEFT's default init (B = 0, so the adapted model starts equal to the base) and freezes every other
 parameter of the backbone, text encoder included. ``reference_mode`` disables the adapters, which
 gives the base model exactly: it is the KL reference, so no second copy of the model is kept.
 
-Update loop: ``inner_epochs`` passes over the N samples in micro-batches of ``micro_batch``
-samples (in order, or shuffled per epoch with ``shuffle_seed``). Within a micro-batch the K window
-steps are replayed one at a time and each step's share of the loss (its objective / K, plus
-kl_beta * its mean KL / K) is backpropagated at once, so activation memory is one step's, not K's.
-Both objectives and the KL are means over steps, so the accumulated gradient equals the gradient
-of the all-steps loss exactly; the recorded loss and statistics (overall, and the ratio mean and
-clip fraction per window step) are recomputed from the detached all-steps log-probs. Then the grad
-norm is clipped to ``max_grad_norm`` and the optimizer steps.
+Update loop: ``inner_epochs`` passes over the N samples (in order, or shuffled per epoch with
+``shuffle_seed``). Each pass splits them into ``steps_per_epoch`` mini-batches of as-equal-as-
+possible size (sizes differ by at most one), and each mini-batch is one optimizer step: it is
+processed in micro-batches of at most ``micro_batch`` samples, whose gradients accumulate, then
+the grad norm is clipped to ``max_grad_norm`` and the optimizer steps once. ``micro_batch`` only
+bounds memory: a micro-batch of n of the mini-batch's m samples backpropagates its mean loss
+times n / m, and every sample carries the same number of terms (K steps, h w positions), so the
+accumulated gradient is exactly the gradient of the mini-batch's mean loss. Within a micro-batch
+the K window steps are replayed one at a time and each step's share (its objective / K, plus
+kl_beta * its mean KL / K) is backpropagated at once, so activation memory is one step's of one
+micro-batch, not K's. The recorded loss and statistics of a step (``UpdateStep``) are recomputed
+from the detached log-probs of all its samples and steps, so they are what one micro-batch of the
+whole mini-batch would give. ``lr_for_step`` (optional) sets every param group's lr before each
+optimizer step from the number of steps this call has taken (skipped ones not counted; the caller
+adds its earlier steps, e.g. for a warm-up: ``linear_warmup_lr``).
 
-Guards: a micro-batch whose loss or grad norm is not finite gets its grads zeroed and no optimizer
-step; its ``UpdateStep`` says skipped=True and why. The first inner step (weights still those of
-the rollout) must give ratio_mean = 1; ``first_ratio_ok`` reports |ratio_mean - 1| <= ratio_tol
-there so the caller can warn with the figures (rollout and replay disagree: dropout on, different
-precision or CFG, or weights changed since the rollout). The model must be in eval mode
-(no dropout) for ratios to be meaningful.
+Guards: a step whose loss (so any of its micro-batches' losses) or accumulated grad norm is not
+finite gets its grads zeroed and no optimizer step; its ``UpdateStep`` says skipped=True and why.
+The first step (weights still those of the rollout for all its micro-batches) must give
+ratio_mean = 1; ``first_ratio_ok`` reports |ratio_mean - 1| <= ratio_tol there so the caller can
+warn with the figures (rollout and replay disagree: dropout on, different precision or CFG, or
+weights changed since the rollout). The model must be in eval mode (no dropout) for ratios to be
+meaningful.
 
-KL: the closed form for two Gaussians sharing the step's std (``loss.gaussian_step_kl``), averaged
-over channels, positions, samples and steps; this equals Flow-GRPO's KL term (the all-dims mean of
-(mu_p - mu_r)^2 / (2 std^2)). It needs std > 0, so a window containing a zero-std step (noise level
-0, or the CPS step to t = 0) with kl_beta > 0 raises ValueError. The reference forward costs one
-extra transformer pass per step and is skipped when kl_beta = 0 (UpdateStep.kl is then None).
+KLs, per step, each a mean over its samples and window steps:
+- ``policy_kl_nats``: KL(rollout policy || current policy) of one sample and window step in nats,
+  summed over all D = C h w dims: Schulman's k3 of the summed log-ratio (``loss.summed_kl``,
+  derivation there), with ``policy_kl_k1_nats`` the plain mean of -log ratio as a cross-check.
+  It is 0 at the first step and says how far the update has moved the sampler.
+- ``ratio_k3``: k3 of the loss's own ratio (per position, or the all-dims mean for "scalar"); not
+  a KL per sample (for "scalar" it is about policy_kl_nats / D^2).
+- with kl_beta > 0, the exact KL to the reference (adapters off) from the closed form for two
+  Gaussians sharing the step's std (``loss.gaussian_step_kl``): ``ref_kl_nats`` summed over the D
+  dims, and ``ref_kl_mean_dim`` = ref_kl_nats / D, the all-dims mean of (mu_p - mu_r)^2 /
+  (2 std^2). The loss adds kl_beta * ref_kl_mean_dim (Flow-GRPO's convention), so a beta chosen
+  against the summed KL is beta_summed * D here. It needs std > 0, so a window containing a
+  zero-std step (noise level 0, or the CPS step to t = 0) with kl_beta > 0 raises ValueError. The
+  reference forward costs one extra transformer pass per step and is skipped when kl_beta = 0
+  (both ref fields are then None).
 
-Departures: Flow-GRPO takes one optimizer step per micro-batch *of steps*; here a micro-batch is
-a set of samples with all their window steps. The update is ours to specify in full (shuffling,
-guard, first-step ratio check); the CAST paper's code is not public.
+Departures: Flow-GRPO also accumulates gradients over micro-batches (and window steps) between
+optimizer steps; here a micro-batch is a set of samples with all their window steps and the
+number of optimizer steps per pass is ``steps_per_epoch``. The update is ours to specify in full
+(shuffling, guard, first-step ratio check); the CAST paper's code is not public.
 """
 
 from __future__ import annotations
@@ -48,7 +68,13 @@ import torch
 from peft import LoraConfig
 from torch import Tensor
 
-from cast_core.loss import PolicyLoss, gaussian_step_kl, scalar_clipped_loss, spatial_clipped_loss
+from cast_core.loss import (
+    PolicyLoss,
+    gaussian_step_kl,
+    scalar_clipped_loss,
+    spatial_clipped_loss,
+    summed_kl,
+)
 from cast_core.rollout import Rollout, RolloutSpec, replay_steps
 from cast_core.sampling import encode_conditioning
 
@@ -100,12 +126,14 @@ def _count(name: str, value: int) -> None:
 @dataclass(frozen=True)
 class PolicyConfig:
     """Update settings. clip_range has no default: per-position ratios need a wider range than
-    Flow-GRPO's scalar one (see ``loss.per_position_clip_range``)."""
+    Flow-GRPO's scalar one (see ``loss.per_position_clip_range``). steps_per_epoch: optimizer
+    steps per pass over the samples; micro_batch: the most samples in one forward/backward."""
 
     advantage: AdvantageKind
     clip_range: float
     kl_beta: float = 0.0
     inner_epochs: int = 1
+    steps_per_epoch: int = 1
     micro_batch: int = 4
     max_grad_norm: float = 1.0
     ratio_tol: float = 1e-3
@@ -121,28 +149,46 @@ class PolicyConfig:
                 f"PolicyConfig.kl_beta must be finite and >= 0 (0 = no KL); got {self.kl_beta!r}"
             )
         _count("inner_epochs", self.inner_epochs)
+        _count("steps_per_epoch", self.steps_per_epoch)
         _count("micro_batch", self.micro_batch)
         _positive("max_grad_norm", self.max_grad_norm, "e.g. 1.0")
         _positive("ratio_tol", self.ratio_tol, "e.g. 1e-3")
 
 
+def linear_warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """The lr of optimizer step `step` (0-based, counted over the whole run) under a linear
+    warm-up: lr * min(1, (step + 1) / warmup_steps); lr itself when warmup_steps = 0."""
+    if warmup_steps < 0 or step < 0:
+        raise ValueError(f"need warmup_steps >= 0 and step >= 0: got {warmup_steps}, {step}")
+    return lr if warmup_steps == 0 else lr * min(1.0, (step + 1) / warmup_steps)
+
+
 @dataclass(frozen=True)
 class UpdateStep:
-    """One micro-batch step. loss (objective + kl_beta KL) and the PolicyLossStats fields are floats
-    over the micro-batch's samples, steps and positions; ratio_mean_per_step and
-    clip_fraction_per_step have K entries (window-step order), each over the micro-batch's samples
-    and positions; kl is None when kl_beta = 0; grad_norm is the norm before clipping;
-    first_ratio_ok is None except on the first inner step."""
+    """One optimizer step: `step` is its index within the epoch, `samples` how many samples it
+    used, `lr` the lr it ran with. loss (objective + kl_beta ref_kl_mean_dim) and the statistics
+    are floats over all the step's samples, window steps and positions (as if from one
+    micro-batch); ratio_mean_per_step and clip_fraction_per_step have K entries (window-step
+    order). policy_kl_nats / policy_kl_k1_nats: KL(rollout policy || current) per sample and
+    window step, summed over dims (k3, k1); ratio_k3: k3 of the loss's own ratio, not a KL per
+    sample; ref_kl_nats / ref_kl_mean_dim: exact KL to the reference summed over dims / its mean
+    over dims, None when kl_beta = 0. grad_norm is the norm before clipping; first_ratio_ok is
+    None except on the first step."""
 
     epoch: int
-    micro_batch: int
+    step: int
+    samples: int
+    lr: float
     loss: float
     clip_fraction: float
     ratio_mean: float
     ratio_std: float
-    approx_kl: float
+    ratio_k3: float
     adv_mass: float
-    kl: float | None
+    policy_kl_nats: float
+    policy_kl_k1_nats: float
+    ref_kl_nats: float | None
+    ref_kl_mean_dim: float | None
     grad_norm: float
     skipped: bool
     skip_reason: str | None
@@ -174,6 +220,15 @@ def _objective(
     return scalar_clipped_loss(new, old, adv, clip)
 
 
+@dataclass(frozen=True)
+class _Replayed:
+    """A micro-batch's detached replay: log_probs [n, K, h, w]; ref_kl [n, K] (KL to the
+    reference summed over the C h w dims, float64) or None when kl_beta = 0."""
+
+    log_probs: Tensor
+    ref_kl: Tensor | None
+
+
 def _micro_batch_backward(
     backbone,
     prompts: list[str],
@@ -181,13 +236,13 @@ def _micro_batch_backward(
     adv: Tensor,
     spec: RolloutSpec,
     config: PolicyConfig,
-) -> tuple[PolicyLoss, Tensor | None]:
-    """Backprop the loss of n samples step by step (steps: n samples, K steps; adv [n, h, w],
-    [n, K, h, w] (one map per window step) or [n]). Returns the PolicyLoss of the detached
-    all-steps log-probs and the mean KL (or None)."""
+    share: float,
+) -> _Replayed:
+    """Backprop share x the mean loss of n samples, step by step (steps: n samples, K steps; adv
+    [n, h, w], [n, K, h, w] (one map per window step) or [n])."""
     cond, uncond = encode_conditioning(backbone, prompts, spec.guidance_scale)
-    num_k = steps.t.shape[0]
-    new, kls = [], []
+    num_k, channels = steps.t.shape[0], steps.latents.shape[2]
+    new, ref_kls = [], []
     for k in range(num_k):
         step = steps.select(steps=[k])
         replay = replay_steps(backbone, cond, uncond, step, spec)  # log_probs [n, 1, h, w]
@@ -198,31 +253,83 @@ def _micro_batch_backward(
         if config.kl_beta > 0:
             with torch.no_grad(), reference_mode(backbone):
                 ref = replay_steps(backbone, cond, uncond, step, spec)
-            kl = gaussian_step_kl(replay.means[:, 0], ref.means[:, 0], replay.stds[:, 0]).mean()
-            total = total + config.kl_beta * kl
-            kls.append(kl.detach())
-        (total / num_k).backward()
+            kl = gaussian_step_kl(replay.means[:, 0], ref.means[:, 0], replay.stds[:, 0])
+            total = total + config.kl_beta * kl.mean()  # kl [n, h, w]: mean over channels
+            ref_kls.append(channels * kl.detach().double().sum(dim=(-2, -1)))  # [n]
+        (total * (share / num_k)).backward()
         new.append(replay.log_probs.detach())
-    with torch.no_grad():
-        full = _objective(
-            config.advantage, torch.cat(new, dim=1), steps.log_probs, adv, config.clip_range
-        )
-    kl_mean = torch.stack(kls).mean() if kls else None
-    return full, kl_mean
+    ref_kl = torch.stack(ref_kls, dim=1) if ref_kls else None  # [n, K]
+    return _Replayed(torch.cat(new, dim=1), ref_kl)
 
 
-def _guarded_step(
+def _record(
+    parts: list[_Replayed],
+    old: Tensor,
+    adv: Tensor,
+    channels: int,
+    config: PolicyConfig,
+) -> tuple[Tensor, dict]:
+    """(loss, UpdateStep statistics) of one step from its micro-batches' replays (in the order
+    of `old` [m, K, h, w] and `adv`)."""
+    new = torch.cat([p.log_probs for p in parts])  # [m, K, h, w]
+    full = _objective(config.advantage, new, old, adv, config.clip_range)
+    policy_kl = summed_kl(new, old, channels)
+    stats = full.stats
+    fields = {
+        "clip_fraction": float(stats.clip_fraction),
+        "ratio_mean": float(stats.ratio_mean),
+        "ratio_std": float(stats.ratio_std),
+        "ratio_k3": float(stats.ratio_k3),
+        "adv_mass": float(stats.adv_mass),
+        "policy_kl_nats": float(policy_kl.k3),
+        "policy_kl_k1_nats": float(policy_kl.k1),
+        "ref_kl_nats": None,
+        "ref_kl_mean_dim": None,
+        "ratio_mean_per_step": tuple(stats.ratio_mean_per_step.tolist()),
+        "clip_fraction_per_step": tuple(stats.clip_fraction_per_step.tolist()),
+    }
+    loss = full.loss.double()
+    if config.kl_beta > 0:
+        ref_kl = torch.cat([p.ref_kl for p in parts]).mean()
+        num_dims = channels * old.shape[-2] * old.shape[-1]  # D = C h w
+        fields |= {"ref_kl_nats": float(ref_kl), "ref_kl_mean_dim": float(ref_kl / num_dims)}
+        loss = loss + config.kl_beta * ref_kl / num_dims
+    return loss, fields
+
+
+def _optimizer_step(
+    backbone,
     optimizer: torch.optim.Optimizer,
-    params: list[Tensor],
-    full: PolicyLoss,
-    kl: Tensor | None,
+    prompts: list[str],
+    rollout: Rollout,
+    spec: RolloutSpec,
+    advantages: Tensor,
+    idx: Tensor,
     config: PolicyConfig,
     epoch: int,
-    mb: int,
-    records: list[UpdateStep],
+    step: int,
+    first: bool,
 ) -> UpdateStep:
-    """Clip the accumulated grads and step, unless the loss or grad norm is not finite."""
-    loss = full.loss + (config.kl_beta * kl if kl is not None else 0.0)
+    """Accumulate the gradients of mini-batch `idx` over micro-batches, clip, and step unless
+    the loss or grad norm is not finite; `first`: check the ratio of the update's first step."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.zero_grad(set_to_none=True)
+    parts = [
+        _micro_batch_backward(
+            backbone,
+            [prompts[i] for i in mb.tolist()],
+            rollout.select(mb),
+            advantages[mb.to(advantages.device)],
+            spec,
+            config,
+            share=len(mb) / len(idx),
+        )
+        for mb in idx.split(config.micro_batch)
+    ]
+    with torch.no_grad():
+        old = rollout.log_probs[idx.to(rollout.log_probs.device)]  # [m, K, h, w]
+        adv = advantages[idx.to(advantages.device)]
+        loss, fields = _record(parts, old, adv, rollout.latents.shape[2], config)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
     reason = None
     if not torch.isfinite(loss):
@@ -233,24 +340,18 @@ def _guarded_step(
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-    stats = full.stats
-    first = None if records else bool(abs(float(stats.ratio_mean) - 1.0) <= config.ratio_tol)
+    ratio_ok = abs(fields["ratio_mean"] - 1.0) <= config.ratio_tol
     return UpdateStep(
         epoch=epoch,
-        micro_batch=mb,
+        step=step,
+        samples=len(idx),
+        lr=float(optimizer.param_groups[0]["lr"]),
         loss=float(loss),
-        clip_fraction=float(stats.clip_fraction),
-        ratio_mean=float(stats.ratio_mean),
-        ratio_std=float(stats.ratio_std),
-        approx_kl=float(stats.approx_kl),
-        adv_mass=float(stats.adv_mass),
-        kl=None if kl is None else float(kl),
         grad_norm=float(grad_norm),
         skipped=reason is not None,
         skip_reason=reason,
-        first_ratio_ok=first,
-        ratio_mean_per_step=tuple(stats.ratio_mean_per_step.tolist()),
-        clip_fraction_per_step=tuple(stats.clip_fraction_per_step.tolist()),
+        first_ratio_ok=bool(ratio_ok) if first else None,
+        **fields,
     )
 
 
@@ -264,35 +365,51 @@ def policy_update(
     config: PolicyConfig,
     shuffle_seed: int | None = None,
     on_step: Callable[[UpdateStep], None] | None = None,
+    lr_for_step: Callable[[int], float] | None = None,
 ) -> list[UpdateStep]:
-    """Inner epochs x micro-batches of clipped-objective steps on the rollout's window steps.
+    """Inner epochs x steps_per_epoch optimizer steps of the clipped objective on the rollout's
+    window steps, each accumulated over micro-batches.
 
-    prompts: N; rollout: N samples, K steps; advantages: [N, h, w] (spatial, on the log-prob grid),
-    [N, K, h, w] (spatial, one map per window step: ReCAST's step weights) or [N] (scalar). Returns one UpdateStep per micro-batch, in order; `on_step` (e.g. a progress
-    bar) is called with each one as it is made.
+    prompts: N; rollout: N samples, K steps; advantages: [N, h, w] (spatial, on the log-prob
+    grid), [N, K, h, w] (spatial, one map per window step: ReCAST's step weights) or [N]
+    (scalar). lr_for_step(j), when given, sets every param group's lr before the optimizer step
+    that follows j steps taken by this call (skipped steps not counted). Returns one UpdateStep
+    per optimizer step, in order; `on_step` (e.g. a progress bar) is called with each one.
     """
     n = rollout.latents.shape[0]
     if len(prompts) != n:
         raise ValueError(f"need one prompt per rollout sample: got {len(prompts)} for {n} samples")
+    if config.steps_per_epoch > n:
+        raise ValueError(
+            f"PolicyConfig.steps_per_epoch ({config.steps_per_epoch}) exceeds the {n} samples: "
+            f"each optimizer step needs at least one sample; set steps_per_epoch <= {n}"
+        )
     _check_advantages(advantages, rollout, config.advantage)
     advantages = advantages.to(rollout.log_probs.device, torch.float32)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     generator = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
     records: list[UpdateStep] = []
+    taken = 0
     for epoch in range(config.inner_epochs):
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-        for mb, lo in enumerate(range(0, n, config.micro_batch)):
-            idx = order[lo : lo + config.micro_batch]
-            optimizer.zero_grad(set_to_none=True)
-            full, kl = _micro_batch_backward(
+        for step, idx in enumerate(torch.tensor_split(order, config.steps_per_epoch)):
+            if lr_for_step is not None:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_for_step(taken)
+            record = _optimizer_step(
                 backbone,
-                [prompts[i] for i in idx.tolist()],
-                rollout.select(idx),
-                advantages[idx.to(advantages.device)],
+                optimizer,
+                prompts,
+                rollout,
                 spec,
+                advantages,
+                idx,
                 config,
+                epoch,
+                step,
+                first=not records,
             )
-            records.append(_guarded_step(optimizer, params, full, kl, config, epoch, mb, records))
+            records.append(record)
+            taken += not record.skipped
             if on_step is not None:
-                on_step(records[-1])
+                on_step(record)
     return records

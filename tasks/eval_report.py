@@ -302,7 +302,7 @@ def _diagnostics_section(diag: list[dict], per_step: list[dict]) -> list[str]:
           d["rollout_hf_energy"], d["zero_variance_fraction"], d["alarm"]] for d in diag])
     alarms = [f"- iteration {d['iteration']}: {d['alarm_reason']}" for d in diag if d["alarm"]]
     return ["## Training diagnostics", "",
-            ("From `train_steps` (means over micro-batch steps; per window step k in window "
+            ("From `train_steps` (means over optimizer steps; per window step k in window "
              "order) and `checkpoints` (one row per iteration)."), "", table, "",
             *(["Constant-reward alarms:", "", *alarms, ""] if alarms else []),
             "![training diagnostics](diagnostics.png)", ""]

@@ -193,13 +193,26 @@ class AdvantageSection(_Section):
 
 
 class TrainSection(_Section):
+    """The LoRA update (`cast_core.policy`). Each of the `inner_epochs` passes over the
+    iteration's B * G samples takes `steps_per_epoch` optimizer steps, each on an equal share of
+    the (shuffled) samples, its gradient accumulated over micro-batches of at most `micro_batch`
+    samples (memory only: the gradient is that of the share's mean loss whatever the micro-batch).
+    `warmup_steps`: the lr rises linearly over the run's first optimizer steps, lr * (j + 1) /
+    warmup_steps at step j (0 = constant lr). `kl_beta` weights the all-dims mean KL to the base
+    model (Flow-GRPO's convention: the summed KL per sample and step divided by D = C h w).
+    `steps_per_epoch` and `warmup_steps` are hashed always, not `hash_if_set`: what a micro-batch
+    means changed with them (it used to be one optimizer step), so an older cached training must
+    not be reused."""
+
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
     lora_alpha: float = Field(gt=0.0)
     clip_range: float = Field(gt=0.0)
     kl_beta: float = Field(0.0, ge=0.0)
     inner_epochs: int = Field(1, ge=1)
-    micro_batch: int = Field(8, ge=1)
+    steps_per_epoch: int = Field(1, ge=1, description="optimizer steps per pass over the samples")
+    micro_batch: int = Field(8, ge=1, description="most samples in one forward/backward")
+    warmup_steps: int = Field(0, ge=0, description="linear lr warm-up, in optimizer steps")
     max_grad_norm: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
 
@@ -284,6 +297,11 @@ class Recipe(_Section):
             raise ValueError(f"window [start={self.window.start}, start+size="
                              f"{self.window.start + self.window.size}) does not fit in "
                              f"sampling.num_steps={steps}; lower window.start")
+        n = self.prompts.per_iteration * self.prompts.group_size
+        if self.train.steps_per_epoch > n:
+            raise ValueError(f"train.steps_per_epoch ({self.train.steps_per_epoch}) exceeds the "
+                             f"{n} samples of an iteration (prompts.per_iteration x group_size); "
+                             f"each optimizer step needs at least one sample: set it <= {n}")
         if self.recast.weighting != "none" and self.advantage.kind != "spatial":
             raise ValueError(f"recast.weighting = {self.recast.weighting!r} weights the atom types' "
                              f"shares of CAST's map; it needs advantage.kind = 'spatial' (got "
@@ -301,13 +319,17 @@ class Recipe(_Section):
     def derived(self) -> dict[str, Any]:
         """Quantities the pipeline derives from the recipe (printed at the start of a flow)."""
         b, g = self.prompts.per_iteration, self.prompts.group_size
-        n = b * g
+        n, steps = b * g, self.train.steps_per_epoch
+        largest = -(-n // steps)  # samples in the largest optimizer step
+        per_step = n // steps if n % steps == 0 else f"{n // steps} or {largest}"
         return {
             "run_id": self.run.name,
             "samples_per_iteration": n,
-            "micro_batches_per_epoch": -(-n // self.train.micro_batch),
-            "optimizer_steps_per_iteration": -(-n // self.train.micro_batch)
-            * self.train.inner_epochs,
+            "optimizer_steps_per_iteration": steps * self.train.inner_epochs,
+            "samples_per_optimizer_step": per_step,
+            "micro_batches_per_optimizer_step": -(-largest // self.train.micro_batch),
+            "lr_warmup": (f"linear over the run's first {self.train.warmup_steps} optimizer steps"
+                          if self.train.warmup_steps else "none"),
             "algorithm": {"spatial": "CAST (spatial atom advantages)",
                           "atom": "CAST without maps (atom advantages, constant map)"}.get(
                 self.advantage.kind, f"Flow-GRPO (scalar {self.advantage.reward} reward)"),

@@ -18,10 +18,21 @@ Conventions:
 Diagnostics (version 2 of train_steps, checkpoints, evals; `cast_core/diagnostics.py` defines
 them):
 - `train_steps.ratio_mean_per_step` / `clip_fraction_per_step`: K values in window-step order,
-  each over the micro-batch's samples and positions (null when the step was skipped).
+  each over the step's samples and positions (null when the step was skipped).
 - `train_steps.reward_step_weights_json` (version 3): with `recast.weighting` "static" or
   "recast", {atom type: [weight at each window step]} the loss applied to that type's share of
   the map (null with "none").
+- `train_steps` version 4: a row is one optimizer step (gradients accumulated over micro-batches;
+  `samples` says how many samples it used) and `lr` the lr it ran with (warm-up included).
+  KLs: `policy_kl_nats` = KL(rollout policy || policy being trained) per sample and window step
+  in nats, summed over all C h w latent dims (k3 of the summed log-ratio; `policy_kl_k1_nats`
+  the plain mean of -log ratio, a cross-check); `ref_kl_nats` the exact KL to the reference model
+  per sample and window step summed over dims, `ref_kl_mean_dim` = ref_kl_nats / (C h w), the
+  term the loss weights by kl_beta (both null with kl_beta = 0); `ratio_k3` = k3 of the loss's
+  own ratio (per position, or all-dims mean for Flow-GRPO), not a KL per sample. Version 3 named
+  `ratio_k3` `approx_kl` and `ref_kl_mean_dim` `kl`, and a row was one micro-batch: the store
+  reads such files with nulls in the renamed and new columns; the DuckDB views (union_by_name)
+  show the old columns as well, null for newer files.
 - `checkpoints` is the one row per iteration, so it carries the iteration's diagnostics:
   `param_change_norm` = ||theta_after - theta_before||_2 of the LoRA parameters over the
   iteration's training; `rollout_hf_energy` = mean high-frequency energy of the iteration's
@@ -121,12 +132,15 @@ _SPECS = (
            ("lora_rank", I32), ("lora_alpha", F64), ("optimizer_steps", I64),
            ("param_change_norm", F64), ("rollout_hf_energy", F64),
            ("constant_reward_alarm", BOOL), ("alarm_reason", STR, _NULL)),
-    _table("train_steps", 3,
-           "One optimizer step: loss and diagnostics (null when skipped; ratio mean and clip "
-           "fraction also per window step), rewards, stage timings, ReCAST step weights.",
+    _table("train_steps", 4,
+           "One optimizer step (accumulated over micro-batches): samples used, loss and "
+           "diagnostics (null when skipped; ratio mean and clip fraction also per window step), "
+           "KLs in nats, lr, rewards, stage timings, ReCAST step weights.",
            ("run_id", STR), ("iteration", I32), ("step", I64), ("inner_epoch", I32),
-           ("loss", F64, _NULL), ("clip_fraction", F64, _NULL), ("ratio_mean", F64, _NULL),
-           ("ratio_std", F64, _NULL), ("approx_kl", F64, _NULL), ("kl", F64, _NULL),
+           ("samples", I32), ("loss", F64, _NULL), ("clip_fraction", F64, _NULL),
+           ("ratio_mean", F64, _NULL), ("ratio_std", F64, _NULL), ("ratio_k3", F64, _NULL),
+           ("policy_kl_nats", F64, _NULL), ("policy_kl_k1_nats", F64, _NULL),
+           ("ref_kl_nats", F64, _NULL), ("ref_kl_mean_dim", F64, _NULL),
            ("grad_norm", F64, _NULL), ("adv_mass", F64), ("skipped", BOOL),
            ("skip_reason", STR, _NULL), ("lr", F64), ("reward_object", F64, _NULL),
            ("reward_count", F64, _NULL), ("reward_attribute", F64, _NULL),

@@ -4,15 +4,20 @@ Reads the policy the rollouts were sampled with (`policy_state.policy_for`) and 
 the stored window steps, and the advantages the recipe selects ("spatial": the CAST maps on the
 log-prob grid; "scalar": Flow-GRPO's per-sample advantage; "atom": the no-map credit as a constant
 map on the spatial loss), runs `cast_core.policy.policy_update`
-(inner epochs x micro-batches, clipped objective, optional KL to the adapter-free base, NaN/Inf
-guard that skips and records a bad micro-batch). With `recast.weighting` "static" or "recast"
+(inner epochs x `steps_per_epoch` optimizer steps, each accumulated over micro-batches of at most
+`micro_batch` samples; clipped objective, optional KL to the adapter-free base, NaN/Inf guard that
+skips and records a bad step), with the lr of each optimizer step set by a linear warm-up over the
+first `warmup_steps` optimizer steps of the run (counted from the AdamW state's step, so across
+iterations; `cast_core.policy.linear_warmup_lr`). With `recast.weighting` "static" or "recast"
 the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
 weighted by `tasks.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
 stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
-- `train_steps`: one row per micro-batch step with loss, clip fraction, ratio mean/std (also the
-  ratio mean and clip fraction per window step), approx KL, KL, grad norm, skip flag and reason,
-  lr, this iteration's mean score per atom type, the fraction of zero-variance atom groups, and
-  the wall seconds of this iteration's earlier stages;
+- `train_steps`: one row per optimizer step with the samples it used, loss, clip fraction, ratio
+  mean/std (also the ratio mean and clip fraction per window step), the ratio's k3, the KL to the
+  rollout policy and (kl_beta > 0) to the reference in nats per sample and window step (summed
+  over latent dims) and the reference KL's all-dims mean, grad norm, skip flag and reason, the lr
+  the step ran with, this iteration's mean score per atom type, the fraction of zero-variance
+  atom groups, and the wall seconds of this iteration's earlier stages;
 - the new LoRA weights and optimizer state (safetensors blobs) and a `checkpoints` row, which the
   next iteration's rollout and training start from, with the iteration's diagnostics
   (`cast_core.diagnostics`): the norm of the LoRA change over this training, the mean
@@ -41,7 +46,7 @@ from cast_core.diagnostics import (
     high_frequency_energy,
     param_change_norm,
 )
-from cast_core.policy import PolicyConfig, UpdateStep, policy_update
+from cast_core.policy import PolicyConfig, UpdateStep, linear_warmup_lr, policy_update
 from cast_core.recast_gains import ATOM_TYPES  # the order of compute_advantages' type_maps
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
@@ -122,10 +127,14 @@ def _step_row(u: UpdateStep) -> dict:
     def kept(value):
         return None if u.skipped else value
 
-    return {"inner_epoch": u.epoch, "loss": kept(u.loss), "clip_fraction": kept(u.clip_fraction),
-            "ratio_mean": kept(u.ratio_mean), "ratio_std": kept(u.ratio_std),
-            "approx_kl": kept(u.approx_kl), "kl": u.kl, "grad_norm": kept(u.grad_norm),
+    return {"inner_epoch": u.epoch, "samples": u.samples, "loss": kept(u.loss),
+            "clip_fraction": kept(u.clip_fraction), "ratio_mean": kept(u.ratio_mean),
+            "ratio_std": kept(u.ratio_std), "ratio_k3": kept(u.ratio_k3),
+            "policy_kl_nats": kept(u.policy_kl_nats),
+            "policy_kl_k1_nats": kept(u.policy_kl_k1_nats), "ref_kl_nats": u.ref_kl_nats,
+            "ref_kl_mean_dim": u.ref_kl_mean_dim, "grad_norm": kept(u.grad_norm),
             "adv_mass": u.adv_mass, "skipped": u.skipped, "skip_reason": u.skip_reason,
+            "lr": u.lr,
             "ratio_mean_per_step": kept(list(u.ratio_mean_per_step)),
             "clip_fraction_per_step": kept(list(u.clip_fraction_per_step))}
 
@@ -204,18 +213,20 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
         config = PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range,
                               kl_beta=tr.kl_beta, inner_epochs=tr.inner_epochs,
-                              micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
-        total = -(-len(rows) // tr.micro_batch) * tr.inner_epochs
+                              steps_per_epoch=tr.steps_per_epoch, micro_batch=tr.micro_batch,
+                              max_grad_norm=tr.max_grad_norm)
+        total = tr.steps_per_epoch * tr.inner_epochs
         before = [p.detach().clone() for p in params]
         with tqdm(total=total, desc=f"train {iteration}", unit="step", mininterval=1.0) as bar:
             def show(u) -> None:
                 bar.set_postfix(loss="skipped" if u.skipped else f"{u.loss:.4f}",
-                                clip=f"{u.clip_fraction:.3f}")
+                                clip=f"{u.clip_fraction:.3f}", kl=f"{u.policy_kl_nats:.3g}")
                 bar.update()
 
-            updates = policy_update(backbone, optimizer, prompts, rollout, spec, adv[index],
-                                    config, shuffle_seed=derive_seed(recipe.run.seed, "shuffle",
-                                                                     iteration), on_step=show)
+            updates = policy_update(
+                backbone, optimizer, prompts, rollout, spec, adv[index], config,
+                shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration), on_step=show,
+                lr_for_step=lambda j: linear_warmup_lr(tr.lr, tr.warmup_steps, steps_before + j))
         first = updates[0]
         if first.first_ratio_ok is False:
             _logger().warning(
@@ -228,7 +239,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         images = store.get_tensors(rows[0]["image_path"])["images"][index]  # uint8 [N, 3, H, W]
         seconds = _stage_seconds(store, run_id, iteration)
         step_rows = [{"run_id": run_id, "iteration": iteration, "step": steps_before + j,
-                      **_step_row(u), "lr": tr.lr, **stats, "stage_seconds_json": seconds,
+                      **_step_row(u), **stats, "stage_seconds_json": seconds,
                       "reward_step_weights_json": weights_json}
                      for j, u in enumerate(updates)]
         lora_blob = store.put_tensors(lora_tensors(backbone))

@@ -32,8 +32,11 @@ STAGES = ("build_csgs", "calibrate_window", "rollout", "score_atoms", "compute_a
           "train_epoch")
 ITERATION_TABLES = ("rollouts", "atom_scores", "advantages", "advantage_maps", "checkpoints",
                     "train_steps")
-# Keeps the run small: the CI recipe already has 4 prompts x 4 samples and 6 steps.
-SMALL = {"run.threads": 1, "window.calibration_prompts": 2}
+# Keeps the run small: the CI recipe already has 4 prompts x 4 samples and 6 steps. Training takes
+# two optimizer steps of 8 samples, each accumulated over two micro-batches of 4, so accumulation
+# and a step skipped by the NaN guard next to a kept one run end to end.
+SMALL = {"run.threads": 1, "window.calibration_prompts": 2, "train.steps_per_epoch": 2,
+         "train.micro_batch": 4}
 FLOW_GRPO = {"advantage.kind": "scalar", "window.mode": "fixed", "train.clip_range": 1e-3}
 
 

@@ -145,13 +145,13 @@ def test_per_step_stats_of_an_update_equal_the_manual_computation(moved, kind):
     model, out, lora = moved
     eps = 0.05 if kind == "spatial" else 0.002
     adv = torch.ones(4, 32, 32) if kind == "spatial" else torch.ones(4)
-    config = PolicyConfig(advantage=kind, clip_range=eps, micro_batch=2)
+    config = PolicyConfig(advantage=kind, clip_range=eps, steps_per_epoch=2, micro_batch=2)
     steps = policy_update(model, torch.optim.SGD(lora, lr=0.0), PROMPTS, out, SPEC, adv, config)
     log_ratio = (replay_log_probs(model, out, PROMPTS, SPEC, with_grad=False).log_probs
                  - out.log_probs)  # [N, K, h, w] float32, as in the loss
     k = SPEC.window.end - SPEC.window.start
-    for mb, step in enumerate(steps):
-        lr = log_ratio[2 * mb:2 * mb + 2]  # [2, K, h, w]
+    for j, step in enumerate(steps):  # two optimizer steps of two samples, in order
+        lr = log_ratio[2 * j:2 * j + 2]  # [2, K, h, w]
         if kind == "spatial":
             r, dims = lr.exp(), (0, 2, 3)
         else:

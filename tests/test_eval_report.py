@@ -187,7 +187,7 @@ def test_rollout_tables_equal_the_atom_scores(run):
 def test_diagnostic_columns_hold_what_they_claim(run):
     store, recipe, _, _ = run
     assert_declared_schemas(store.root)
-    for table, version in (("train_steps", 3), ("checkpoints", 2), ("evals", 2)):
+    for table, version in (("train_steps", 4), ("checkpoints", 2), ("evals", 2)):
         assert TABLES[table].version == version
     run_id = recipe.run.name
     k_steps = recipe.window.size
@@ -196,6 +196,7 @@ def test_diagnostic_columns_hold_what_they_claim(run):
         assert sum(s["ratio_mean_per_step"]) / k_steps == pytest.approx(s["ratio_mean"], abs=1e-6)
         assert all(0.0 <= c <= 1.0 for c in s["clip_fraction_per_step"])
         assert s["reward_step_weights_json"] is None  # recast.weighting = "none"
+        assert s["samples"] >= 1 and s["policy_kl_nats"] >= 0.0 and s["ref_kl_nats"] is None
     ckpts = {r["iteration"]: r for r in _rows(store, "checkpoints", run_id=run_id)}
     init, _ = load_policy(recipe, None)
     init_lora = {n: p.detach() for n, p in init.named_parameters() if p.requires_grad}

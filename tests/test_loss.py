@@ -1,4 +1,5 @@
-"""Clipped policy losses and Gaussian KLs against hand-derived gradients and torch.distributions."""
+"""Clipped policy losses and Gaussian KLs against hand-derived gradients and torch.distributions;
+the summed-over-dims policy KL against the closed form for a known mean shift."""
 
 import math
 
@@ -7,11 +8,14 @@ import torch
 from torch.distributions import Normal, kl_divergence
 
 from cast_core.loss import (
+    MAX_LOG_RATIO,
     gaussian_kl,
     gaussian_step_kl,
     per_position_clip_range,
     scalar_clipped_loss,
     spatial_clipped_loss,
+    summed_kl,
+    summed_log_ratio,
 )
 
 N, K, h, w = 3, 2, 4, 5
@@ -71,9 +75,9 @@ def test_stats_formulas_and_detached():
     )
     assert out.stats.ratio_mean.item() == pytest.approx(r.mean().item())
     assert out.stats.ratio_std.item() == pytest.approx(r.std(correction=0).item())
-    assert out.stats.approx_kl.item() == pytest.approx(((r - 1) - r.log()).mean().item())
+    assert out.stats.ratio_k3.item() == pytest.approx(((r - 1) - r.log()).mean().item())
     assert out.stats.adv_mass.item() == pytest.approx(adv_map.abs().mean().item())
-    for field in ("clip_fraction", "ratio_mean", "ratio_std", "approx_kl", "adv_mass"):
+    for field in ("clip_fraction", "ratio_mean", "ratio_std", "ratio_k3", "adv_mass"):
         value = getattr(out.stats, field)
         assert value.dim() == 0 and not value.requires_grad
     assert out.loss.requires_grad
@@ -129,3 +133,45 @@ def test_per_position_clip_range_scales_with_sqrt_positions():
     assert per_position_clip_range(1e-4, 32 * 32) == pytest.approx(1e-4 * 32)
     with pytest.raises(ValueError):
         per_position_clip_range(0.0, 16)
+
+
+def _per_position_log_probs(x, mu, std):
+    """Gaussian log-density per dim, mean over channels (dim 2 of [M, K, C, h, w]), as sde.py."""
+    return Normal(mu, std).log_prob(x).mean(dim=2)  # [M, K, h, w]
+
+
+@pytest.mark.parametrize("kl", [0.5, 3e-3])
+def test_summed_kl_matches_the_closed_form_for_a_mean_shift(kl):
+    """Old N(0, s^2), new N(s d, s^2) on D = C h w dims with |d|^2 / 2 = kl: the k3 and k1
+    estimates over samples of the old policy match kl within 4 standard errors, and the loss's
+    all-dims-mean ratio k3 reads about kl / D^2 (E[(L / D)^2] / 2 = (2 kl + kl^2) / (2 D^2))."""
+    m, k, c, hh, ww, s = 20000, 2, 3, 4, 5, 0.3
+    num_dims = c * hh * ww
+    g = torch.Generator().manual_seed(11)
+    d = torch.randn(c, hh, ww, generator=g, dtype=torch.float64)
+    d = d * math.sqrt(2 * kl) / d.norm()  # |d|^2 / 2 = kl
+    x = s * torch.randn(m, k, c, hh, ww, generator=g, dtype=torch.float64)
+    old = _per_position_log_probs(x, 0.0, s)
+    new = _per_position_log_probs(x, s * d, s)
+    est = summed_kl(new, old, channels=c)
+    log_ratio = summed_log_ratio(new, old, channels=c)  # [M, K]
+    assert log_ratio.shape == (m, k) and log_ratio.dtype == torch.float64
+    torch.testing.assert_close(
+        log_ratio.var(), torch.tensor(2 * kl, dtype=torch.float64), rtol=0.05, atol=0.0
+    )
+    k3 = log_ratio.exp() - 1 - log_ratio
+    for value, samples in ((est.k3, k3), (est.k1, -log_ratio)):
+        stderr = samples.std() / math.sqrt(samples.numel())
+        assert abs(float(value) - kl) < 4 * float(stderr)
+    torch.testing.assert_close(est.k3, k3.mean())
+    ratio_k3 = scalar_clipped_loss(new, old, torch.zeros(m), 0.1).stats.ratio_k3
+    assert float(ratio_k3) == pytest.approx((2 * kl + kl**2) / (2 * num_dims**2), rel=0.05)
+
+
+def test_summed_kl_is_finite_for_large_moves():
+    old = torch.zeros(2, 1, 2, 2)
+    new = torch.tensor([1e3, -1e3])[:, None, None, None].expand(2, 1, 2, 2)
+    est = summed_kl(new, old, channels=4)  # L = 16e3 and -16e3
+    want = (math.exp(MAX_LOG_RATIO) - 1 - MAX_LOG_RATIO + (-1 + 16e3)) / 2
+    assert math.isfinite(float(est.k3)) and float(est.k3) == pytest.approx(want)
+    assert float(est.k1) == 0.0

@@ -177,8 +177,13 @@ def test_train_epoch_updates_lora_only(ref):
         assert torch.equal(p, base[base_name]), name
     steps = sorted(_rows(store, "train_steps"), key=lambda r: r["step"])
     n = recipe.prompts.per_iteration * recipe.prompts.group_size
-    assert len(steps) == recipe.derived()["micro_batches_per_epoch"] == -(-n // 8)
+    assert len(steps) == recipe.derived()["optimizer_steps_per_iteration"] == 2
+    assert [s["samples"] for s in steps] == [n // 2] * 2
+    assert [s["lr"] for s in steps] == [recipe.train.lr] * 2  # no warm-up
     assert abs(steps[0]["ratio_mean"] - 1.0) <= 1e-3
+    assert 0.0 <= steps[0]["policy_kl_nats"] < 1e-4  # same weights as the rollout
+    assert steps[1]["policy_kl_nats"] > steps[0]["policy_kl_nats"]
+    assert steps[0]["ref_kl_nats"] is None and steps[0]["ref_kl_mean_dim"] is None  # kl_beta 0
     assert not any(s["skipped"] for s in steps)
     assert ckpt["optimizer_steps"] == len(steps)
 
@@ -256,9 +261,9 @@ def test_flow_grpo_variant_runs_one_iteration(ref, tmp_path):
                if p.requires_grad)
 
 
-def test_nan_advantage_skips_only_its_micro_batch(ref, tmp_path):
+def test_nan_advantage_skips_only_its_optimizer_step(ref, tmp_path):
     """The NaN guard through the real train_epoch: one sample's advantage map is NaN; the
-    micro-batch holding it is skipped (loss null, reason recorded), the other one steps."""
+    optimizer step holding it is skipped (loss null, reason recorded), the other one steps."""
     src, recipe, _, refs = ref
     shutil.copytree(src.root, tmp_path / "store")
     store = Store(tmp_path / "store")
@@ -370,3 +375,18 @@ def test_atom_kind_trains_on_the_constant_map(ref, tmp_path):
     assert any(not torch.equal(trained[n], cast[n]) for n in before)
     assert ckpt["policy_hash"] != _rows(src, "checkpoints")[0]["policy_hash"]
     assert again["rollout"].content_hash == refs["rollout"].content_hash
+
+
+def test_lr_warm_up_sets_and_records_each_optimizer_steps_lr(ref, tmp_path):
+    """train.warmup_steps = 4 on a fresh optimizer: the two steps run at lr / 4 and 2 lr / 4."""
+    src, recipe, prompts, refs = ref
+    shutil.copytree(src.root, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    warm = ci_recipe(prompts, **{"train.warmup_steps": 4})
+    assert warm.run.name == recipe.run.name and warm.train.warmup_steps == 4
+    result = train_epoch(store, warm, refs["build_csgs"], refs["rollout"], refs["score_atoms"],
+                         refs["compute_advantages"], 0)
+    assert not result.skipped
+    steps = sorted(store.read_table("train_steps", {"iteration": 0}).to_pylist(),
+                   key=lambda r: r["step"])
+    assert [s["lr"] for s in steps] == pytest.approx([warm.train.lr / 4, warm.train.lr / 2])

@@ -1,12 +1,19 @@
 """LoRA policy updates on a tiny real backbone: frozen base, the reference model, the effect of one
-update, spatial vs scalar objectives, step-wise gradient accumulation, the NaN guard, validation."""
+update, spatial vs scalar objectives, gradient accumulation over window steps and micro-batches,
+optimizer steps per epoch and the lr schedule, the KLs in nats, the NaN guard, validation."""
 
 import pytest
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.loss import spatial_clipped_loss
-from cast_core.policy import PolicyConfig, add_lora, policy_update, reference_mode
+from cast_core.policy import (
+    PolicyConfig,
+    add_lora,
+    linear_warmup_lr,
+    policy_update,
+    reference_mode,
+)
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.window import SdeWindow
 
@@ -94,17 +101,33 @@ def test_first_step_ratio_is_one_and_steps_are_recorded_in_order():
     lora = add_lora(model, rank=2, alpha=2.0)
     out = rollout(model, PROMPTS, SEEDS, SPEC)
     config = PolicyConfig(
-        advantage="scalar", clip_range=1e-2, inner_epochs=2, micro_batch=3, kl_beta=0.1
+        advantage="scalar",
+        clip_range=1e-2,
+        inner_epochs=2,
+        steps_per_epoch=2,
+        micro_batch=1,
+        kl_beta=0.1,
     )
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     steps = policy_update(
         model, torch.optim.Adam(lora, lr=1e-2), PROMPTS, out, SPEC, adv, config, shuffle_seed=0
     )
-    assert [(s.epoch, s.micro_batch) for s in steps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(s.epoch, s.step, s.samples) for s in steps] == [
+        (0, 0, 2),
+        (0, 1, 2),
+        (1, 0, 2),
+        (1, 1, 2),
+    ]
     assert steps[0].first_ratio_ok is True and abs(steps[0].ratio_mean - 1.0) < 1e-4
     assert all(s.first_ratio_ok is None for s in steps[1:])
-    assert steps[0].kl == 0.0  # LoRA B = 0: policy == reference before the first step
-    assert steps[-1].kl > 0.0 and not any(s.skipped for s in steps)
+    # LoRA B = 0: policy == reference == rollout policy before the first step
+    assert steps[0].ref_kl_nats == 0.0 and steps[0].ref_kl_mean_dim == 0.0
+    assert 0.0 <= steps[0].policy_kl_nats < 1e-5
+    assert steps[-1].ref_kl_nats > 0.0 and not any(s.skipped for s in steps)
+    num_dims = out.latents.shape[2] * out.log_probs.shape[-2] * out.log_probs.shape[-1]
+    for s in steps:
+        assert s.ref_kl_mean_dim == pytest.approx(s.ref_kl_nats / num_dims, rel=1e-9)
+    assert steps[-1].policy_kl_nats > steps[0].policy_kl_nats
 
 
 def test_constant_map_equals_scalar_objective_at_ratio_one():
@@ -124,29 +147,125 @@ def test_constant_map_equals_scalar_objective_at_ratio_one():
     assert spatial == pytest.approx(scalar, abs=1e-5)
 
 
-def test_step_wise_accumulation_equals_the_all_steps_gradient():
-    model = _model(3)
+def _moved_lora(seed: int):
+    """(model, lora, rollout) with LoRA moved off B = 0, so both factors get gradients."""
+    model = _model(seed)
     lora = add_lora(model, rank=2, alpha=2.0)
-    with torch.no_grad():  # move off B = 0 so both LoRA factors get gradients
+    with torch.no_grad():
         for p in lora:
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    out = rollout(model, PROMPTS, SEEDS, SPEC)
-    adv = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(1))
-    config = PolicyConfig(advantage="spatial", clip_range=0.2, micro_batch=4, max_grad_norm=1e9)
-    step = policy_update(model, torch.optim.SGD(lora, lr=0.0), PROMPTS, out, SPEC, adv, config)[0]
-    accumulated = [p.grad.clone() for p in lora]
+    return model, lora, rollout(model, PROMPTS, SEEDS, SPEC)
+
+
+def _first_step(model, lora, out, adv, **config):
+    """(UpdateStep, accumulated grads) of one lr-0 optimizer step over all N samples."""
     for p in lora:
         p.grad = None
+    config = PolicyConfig(clip_range=0.2, max_grad_norm=1e9, **config)
+    step = policy_update(model, torch.optim.SGD(lora, lr=0.0), PROMPTS, out, SPEC, adv, config)[0]
+    return step, [p.grad.clone() for p in lora]
+
+
+def test_accumulation_over_steps_and_micro_batches_equals_the_mini_batch_gradient():
+    model, lora, out = _moved_lora(3)
+    adv = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(1))
+    one, grads = _first_step(model, lora, out, adv, advantage="spatial", micro_batch=4)
     full = spatial_clipped_loss(
         replay_log_probs(model, out, PROMPTS, SPEC).log_probs, out.log_probs, adv, 0.2
     )
+    for p in lora:
+        p.grad = None
     full.loss.backward()
-    assert step.loss == pytest.approx(float(full.loss.detach()), rel=1e-5, abs=1e-7)
-    for got, p in zip(accumulated, lora):
+    assert one.loss == pytest.approx(float(full.loss.detach()), rel=1e-5, abs=1e-7)
+    for got, p in zip(grads, lora):
         torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7)
+    for micro in (1, 3):  # 3: micro-batches of 3 and 1 samples, weighted 3/4 and 1/4
+        split, split_grads = _first_step(
+            model, lora, out, adv, advantage="spatial", micro_batch=micro
+        )
+        for got, want in zip(split_grads, grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+        assert split.samples == one.samples == 4
+        for field in (
+            "loss",
+            "ratio_mean",
+            "ratio_std",
+            "clip_fraction",
+            "ratio_k3",
+            "policy_kl_nats",
+            "adv_mass",
+        ):
+            assert getattr(split, field) == pytest.approx(getattr(one, field), rel=1e-5, abs=1e-6)
 
 
-def test_nan_advantage_skips_the_micro_batch_and_leaves_weights_unchanged():
+def test_scalar_and_constant_map_objectives_give_the_same_first_step_gradient():
+    """At ratio 1 both are mean over positions of A * grad log-prob per position."""
+    model, lora, out = _moved_lora(6)
+    a = torch.tensor([0.7, -1.3, 2.0, 0.4])
+    spatial, spatial_grads = _first_step(
+        model, lora, out, a[:, None, None].expand(4, 32, 32), advantage="spatial", micro_batch=3
+    )
+    scalar, scalar_grads = _first_step(model, lora, out, a, advantage="scalar", micro_batch=3)
+    assert spatial.loss == pytest.approx(scalar.loss, abs=1e-5)
+    assert spatial.policy_kl_nats == pytest.approx(scalar.policy_kl_nats, rel=1e-9)  # same replay
+    for s, c in zip(spatial_grads, scalar_grads):
+        torch.testing.assert_close(s, c, rtol=1e-4, atol=1e-8)
+    assert any(float(g.abs().max()) > 0 for g in scalar_grads)
+
+
+def test_steps_per_epoch_sets_optimizer_steps_samples_and_the_lr_schedule():
+    model = _model(7)
+    lora = add_lora(model, rank=2, alpha=2.0)
+    out = rollout(model, PROMPTS, SEEDS, SPEC)
+    optimizer = torch.optim.Adam(lora, lr=1.0)
+    config = PolicyConfig(
+        advantage="spatial", clip_range=0.2, inner_epochs=2, steps_per_epoch=3, micro_batch=1
+    )
+    seen = []
+
+    def lr_for_step(j: int) -> float:
+        seen.append(j)
+        return linear_warmup_lr(1e-2, 4, 10 + j)
+
+    steps = policy_update(
+        model,
+        optimizer,
+        PROMPTS,
+        out,
+        SPEC,
+        torch.ones(4, 32, 32),
+        config,
+        shuffle_seed=1,
+        lr_for_step=lr_for_step,
+    )
+    assert [(s.epoch, s.step, s.samples) for s in steps] == [
+        (0, 0, 2),
+        (0, 1, 1),
+        (0, 2, 1),
+        (1, 0, 2),
+        (1, 1, 1),
+        (1, 2, 1),
+    ]
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert int(optimizer.state[lora[0]]["step"]) == 6  # one optimizer step per UpdateStep
+    assert [s.lr for s in steps] == [1e-2] * 6  # warm-up over 4 steps ended before step 10
+    assert optimizer.param_groups[0]["lr"] == 1e-2
+    two = PolicyConfig(advantage="spatial", clip_range=0.2, steps_per_epoch=2, micro_batch=4)
+    steps = policy_update(model, optimizer, PROMPTS, out, SPEC, torch.ones(4, 32, 32), two)
+    assert [(s.step, s.samples) for s in steps] == [(0, 2), (1, 2)]
+    assert int(optimizer.state[lora[0]]["step"]) == 8
+
+
+def test_linear_warmup_lr():
+    assert [linear_warmup_lr(0.4, 4, j) for j in range(6)] == pytest.approx(
+        [0.1, 0.2, 0.3, 0.4, 0.4, 0.4]
+    )
+    assert linear_warmup_lr(0.4, 0, 0) == 0.4
+    with pytest.raises(ValueError):
+        linear_warmup_lr(0.4, -1, 0)
+
+
+def test_nan_advantage_skips_the_optimizer_step_and_leaves_weights_unchanged():
     model = _model(4)
     lora = add_lora(model, rank=2, alpha=2.0)
     out = rollout(model, PROMPTS, SEEDS, SPEC)
@@ -154,14 +273,27 @@ def test_nan_advantage_skips_the_micro_batch_and_leaves_weights_unchanged():
     adv[0, 3, 5] = float("nan")
     before = _snapshot(model)
     optimizer = torch.optim.Adam(lora, lr=1e-2)
-    one = PolicyConfig(advantage="spatial", clip_range=0.2, micro_batch=4)
-    (step,) = policy_update(model, optimizer, PROMPTS, out, SPEC, adv, one)
-    assert step.skipped and step.skip_reason == "non-finite loss"
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert all(p.grad is None for p in lora) and not optimizer.state
-    two = PolicyConfig(advantage="spatial", clip_range=0.2, micro_batch=2)
+    for micro in (4, 1):  # one micro-batch, or the NaN in one of four accumulated ones
+        one = PolicyConfig(advantage="spatial", clip_range=0.2, micro_batch=micro)
+        (step,) = policy_update(model, optimizer, PROMPTS, out, SPEC, adv, one)
+        assert step.skipped and step.skip_reason == "non-finite loss"
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        assert all(p.grad is None for p in lora) and not optimizer.state
+    two = PolicyConfig(advantage="spatial", clip_range=0.2, steps_per_epoch=2, micro_batch=1)
     steps = policy_update(model, optimizer, PROMPTS, out, SPEC, adv, two)
     assert [s.skipped for s in steps] == [True, False]
+    assert int(optimizer.state[lora[0]]["step"]) == 1
+
+
+def test_more_steps_per_epoch_than_samples_is_an_error():
+    model = _model(5)
+    lora = add_lora(model, rank=2, alpha=2.0)
+    out = rollout(model, PROMPTS, SEEDS, SPEC)
+    config = PolicyConfig(advantage="spatial", clip_range=0.2, steps_per_epoch=5)
+    with pytest.raises(ValueError, match=r"steps_per_epoch \(5\) exceeds the 4 samples"):
+        policy_update(
+            model, torch.optim.SGD(lora, lr=0.0), PROMPTS, out, SPEC, torch.ones(4, 32, 32), config
+        )
 
 
 @pytest.mark.parametrize(
@@ -175,6 +307,8 @@ def test_nan_advantage_skips_the_micro_batch_and_leaves_weights_unchanged():
         ("max_grad_norm", float("inf")),
         ("ratio_tol", 0.0),
         ("micro_batch", True),
+        ("steps_per_epoch", 0),
+        ("steps_per_epoch", 2.0),
     ],
 )
 def test_policy_config_validation_names_the_field(field, value):

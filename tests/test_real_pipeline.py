@@ -180,7 +180,7 @@ def _check_training(store: Store, recipe: Recipe, base) -> None:
     assert frozen and all(torch.equal(p, reference[n.replace(".base_layer", "")])
                           for n, p in frozen.items())
     steps = _rows(store, "train_steps")
-    assert len(steps) == recipe.derived()["micro_batches_per_epoch"]
+    assert len(steps) == recipe.derived()["optimizer_steps_per_iteration"]
     assert not any(s["skipped"] for s in steps)
     assert abs(steps[0]["ratio_mean"] - 1.0) <= 1e-3
 

@@ -117,8 +117,10 @@ def test_derived_values():
     cast = load_recipe(RECIPES / "shapes-cast.toml").derived()
     b, g, micro = 16, 8, 16
     assert cast["samples_per_iteration"] == b * g
-    assert cast["micro_batches_per_epoch"] == b * g // micro
-    assert cast["optimizer_steps_per_iteration"] == b * g // micro * 1
+    assert cast["optimizer_steps_per_iteration"] == 1  # steps_per_epoch 1 x inner_epochs 1
+    assert cast["samples_per_optimizer_step"] == b * g
+    assert cast["micro_batches_per_optimizer_step"] == b * g // micro
+    assert cast["lr_warmup"] == "none"
     assert cast["lora_scale"] == 8.0 / 8
     assert cast["run_id"] == "shapes-cast"
     assert cast["algorithm"].startswith("CAST")
@@ -130,14 +132,28 @@ def test_derived_values():
     assert derived["recipe_hash"] == grpo.content_hash()[:16]
 
 
-def test_derived_rounds_micro_batches_up():
-    recipe = load_recipe(CI, {"train.micro_batch": 5, "train.inner_epochs": 3,
+def test_derived_optimizer_steps_samples_and_micro_batches():
+    recipe = load_recipe(CI, {"train.micro_batch": 2, "train.inner_epochs": 3,
+                              "train.steps_per_epoch": 3, "train.warmup_steps": 5,
                               "train.lora_alpha": 4.0})
     derived = recipe.derived()
     assert derived["samples_per_iteration"] == 16
-    assert derived["micro_batches_per_epoch"] == 4  # ceil(16 / 5)
-    assert derived["optimizer_steps_per_iteration"] == 4 * 3
+    assert derived["optimizer_steps_per_iteration"] == 3 * 3
+    assert derived["samples_per_optimizer_step"] == "5 or 6"  # 16 split into 6 + 5 + 5
+    assert derived["micro_batches_per_optimizer_step"] == 3  # ceil(6 / 2)
+    assert derived["lr_warmup"].startswith("linear over the run's first 5 optimizer steps")
     assert derived["lora_scale"] == 4.0 / 8
+    even = load_recipe(CI, {"train.steps_per_epoch": 4}).derived()
+    assert even["samples_per_optimizer_step"] == 4 and even["micro_batches_per_optimizer_step"] == 1
+
+
+def test_train_step_fields_are_checked():
+    assert load_recipe(CI).train.steps_per_epoch == 1 and load_recipe(CI).train.warmup_steps == 0
+    for field, value in (("steps_per_epoch", 0), ("warmup_steps", -1)):
+        with pytest.raises(RecipeError, match=f"train.{field}"):
+            load_recipe(CI, {f"train.{field}": value})
+    with pytest.raises(RecipeError, match=r"steps_per_epoch \(17\) exceeds the 16 samples"):
+        load_recipe(CI, {"train.steps_per_epoch": 17})
 
 
 def test_overrides_apply_before_validation():
@@ -227,7 +243,9 @@ def test_a_later_field_at_its_default_leaves_the_stage_keys_unchanged():
 
     recipe = load_recipe(RECIPES / "shapes-cast.toml")
     dump = recipe.model_dump(mode="json")["advantage"]
-    assert dump.pop("heatmap_norm") == "mass"
+    assert dump["heatmap_norm"] == "mass"
+    for field in type(recipe.advantage).hash_if_set:  # heatmap_norm and the later ones
+        dump.pop(field)
     before = hashlib.sha256(json.dumps({"advantage": dump}, sort_keys=True,
                                        separators=(",", ":")).encode()).hexdigest()
     assert recipe.section_hash("advantage") == before
