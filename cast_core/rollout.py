@@ -10,8 +10,9 @@ t = sigmas[k] to t_next = sigmas[k + 1]; the velocity is ``backbone.velocity`` w
 scale (the empty prompt as unconditional input when the scale is not 1). For each window step the
 rollout stores the input latent x_t, the sampled x_next and the per-position log-prob (fp32).
 
-Seeds: sample i starts from ``backbone.initial_noise([seeds[i]])`` and its SDE noise at step k is
-drawn from a CPU ``torch.Generator`` seeded with splitmix64(splitmix64(seeds[i]) ^ k) (see
+Seeds: sample i starts from ``backbone.initial_noise([noise_seeds[i]])`` (``noise_seeds`` defaults
+to ``seeds``; passing one value per group shares the starting noise within the group, so the
+group's samples differ only by their window noise) and its SDE noise at step k is drawn from a CPU ``torch.Generator`` seeded with splitmix64(splitmix64(seeds[i]) ^ k) (see
 ``sde_noise``), in float32, then moved to the latents' device and dtype. No random draw depends on
 the sample's batch position, the batch size or the chunking, and the noise stream never coincides
 with the initial-noise stream of another seed (consecutive seeds are common).
@@ -156,11 +157,12 @@ def _check_pairs(prompts: list[str], seeds: Sequence[int]) -> None:
 
 
 @torch.no_grad()
-def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: RolloutSpec) -> Rollout:
+def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: RolloutSpec,
+                   noise_seeds: list[int]) -> Rollout:
     device = next(backbone.transformer.parameters()).device
     sigmas = backbone.sigmas(spec.num_steps)
     cond, uncond = encode_conditioning(backbone, prompts, spec.guidance_scale)
-    x = backbone.initial_noise(seeds).to(device)  # [n, C, h, w]
+    x = backbone.initial_noise(noise_seeds).to(device)  # [n, C, h, w]
     latents, next_latents, log_probs = [], [], []
     for k in range(spec.num_steps):
         t, t_next = float(sigmas[k]), float(sigmas[k + 1])
@@ -186,7 +188,8 @@ def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: Rollout
 
 
 def rollout(
-    backbone, prompts: list[str], seeds: Sequence[int], spec: RolloutSpec, chunk_size: int = 64
+    backbone, prompts: list[str], seeds: Sequence[int], spec: RolloutSpec, chunk_size: int = 64,
+    noise_seeds: Sequence[int] | None = None,
 ) -> Rollout:
     """Sample N = len(prompts) (prompt, seed) pairs, storing the window steps. See ``Rollout``.
 
@@ -197,8 +200,15 @@ def rollout(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     seeds = [int(s) for s in seeds]
+    if noise_seeds is None:
+        noise_seeds = seeds
+    elif len(noise_seeds) != len(seeds):
+        raise ValueError(f"need one initial-noise seed per sample: got {len(noise_seeds)} for "
+                         f"{len(seeds)} samples")
+    noise_seeds = [int(s) for s in noise_seeds]
     parts = [
-        _rollout_chunk(backbone, prompts[lo : lo + chunk_size], seeds[lo : lo + chunk_size], spec)
+        _rollout_chunk(backbone, prompts[lo : lo + chunk_size], seeds[lo : lo + chunk_size], spec,
+                       noise_seeds[lo : lo + chunk_size])
         for lo in range(0, len(prompts), chunk_size)
     ]
     return Rollout(

@@ -141,11 +141,19 @@ class PromptsSection(_Section):
 
 
 class SamplingSection(_Section):
+    """`shared_noise`: the G samples of a prompt start from one initial noise (seeded per prompt
+    and iteration) and differ only by their SDE window noise, so a group's advantages measure what
+    the window's actions did, not which starting noise a sample drew (a per-state baseline: the
+    policy gradient stays unbiased, its variance falls)."""
+
+    hash_if_set: ClassVar[tuple[str, ...]] = ("shared_noise",)
+
     num_steps: int = Field(ge=2)
     guidance_scale: float = Field(ge=1.0)
     noise_level: float = Field(gt=0.0)
     sde_kind: Literal["flow_sde", "cps"] = "flow_sde"
     chunk_size: int = Field(64, ge=1)
+    shared_noise: bool = False
 
 
 class WindowSection(_Section):

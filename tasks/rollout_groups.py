@@ -8,7 +8,9 @@ prompt of it; "uniform" picks prompts uniformly. "cycle" takes, at iteration k, 
 positions (k B + j) mod P, j < B, of the prompt file in file order (the csgs rows' stored order:
 build_csgs writes them in file order, a repeated prompt at its first line), so each prompt comes
 back once every ceil(P / B) iterations. B > P is an error. Seeds: derive_seed(run seed, iteration,
-prompt id, sample index), so no draw depends on batch position. Blobs (content-addressed): `window
+prompt id, sample index), so no draw depends on batch position; with `sampling.shared_noise` the
+initial noise of every sample of a prompt comes from derive_seed(run seed, iteration, prompt id,
+"initial-noise") instead (the SDE noise still from the sample's own seed). Blobs (content-addressed): `window
 steps` safetensors {x0, latents, next_latents, log_probs, t, t_next} with sample i at row i,
 `images` safetensors uint8 [N, 3, H, W] (row `blob_index` of each rollouts row), and a PNG contact
 sheet (one row per prompt).
@@ -126,7 +128,10 @@ def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRe
         prompts = [p["prompt"] for p in picks for _ in range(g)]
         seeds = [derive_seed(recipe.run.seed, iteration, p["prompt_id"], j)
                  for p in picks for j in range(g)]
-        result = rollout(backbone, prompts, seeds, spec, chunk_size=recipe.sampling.chunk_size)
+        noise_seeds = ([derive_seed(recipe.run.seed, iteration, p["prompt_id"], "initial-noise")
+                        for p in picks for _ in range(g)] if recipe.sampling.shared_noise else None)
+        result = rollout(backbone, prompts, seeds, spec, chunk_size=recipe.sampling.chunk_size,
+                         noise_seeds=noise_seeds)
         images = _decode_uint8(backbone, result.x0, recipe.sampling.chunk_size)  # [N, 3, H, W]
         steps = store.put_tensors({"x0": result.x0, "latents": result.latents,
                                    "next_latents": result.next_latents,

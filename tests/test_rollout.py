@@ -126,3 +126,22 @@ def test_rollout_spec_validation_names_the_field(kwargs, field):
     }
     with pytest.raises(ValueError, match=field):
         RolloutSpec(**{**base, **kwargs})
+
+
+def test_shared_noise_seeds_start_a_group_from_one_noise_and_keep_the_sde_noise(tiny):
+    spec = _spec(window=(0, 2))
+    prompts = [PROMPTS[0]] * 3
+    shared = rollout(tiny, prompts, SEEDS, spec, noise_seeds=[99, 99, 99])
+    # one starting point, x_t of the first window step (step 0 = the initial noise)
+    assert torch.equal(shared.latents[:, 0], tiny.initial_noise([99] * 3))
+    # the samples still differ, by their own SDE noise
+    assert not torch.equal(shared.next_latents[0, 0], shared.next_latents[1, 0])
+    replay = replay_log_probs(tiny, shared, prompts, spec, with_grad=False)
+    z = (shared.next_latents[:, 0] - replay.means[:, 0]) / replay.stds[:, 0]
+    torch.testing.assert_close(z, sde_noise(SEEDS, 0, tiny.latent_shape), rtol=1e-4, atol=1e-4)
+    # noise_seeds equal to seeds is the default
+    default = rollout(tiny, prompts, SEEDS, spec)
+    same = rollout(tiny, prompts, SEEDS, spec, noise_seeds=SEEDS)
+    assert torch.equal(default.x0, same.x0)
+    with pytest.raises(ValueError, match="one initial-noise seed per sample"):
+        rollout(tiny, prompts, SEEDS, spec, noise_seeds=[1, 2])
