@@ -1,104 +1,130 @@
-"""Benchmark: CAST against Flow-GRPO on the shapes world, at equal budget, with two ablations.
+"""Benchmark: CAST against Flow-GRPO on the shapes world, trained on a fixed prompt pool, with
+learning curves, paired final evaluations and sample efficiency.
 
-    .venv/bin/python benchmarks/bench_methods.py [--quick] [--suite all|methods] [--store DIR]
-        [--report-dir DIR] [--seeds N] [--iterations N] [--threads N] [--arms A,B] [--lr LR]
+    .venv/bin/python benchmarks/bench_methods.py [--quick] [--suite main|ablations|recast]
+        [--arms A,B] [--store DIR] [--report-dir DIR] [--seeds N] [--iterations N] [--threads N]
+        [--lr LR] [--per-iteration B] [--group-size G] [--probe-images N] [--pool-images N]
+        [--hard-images N] [--eval-images N] [--held-out-prompts N]
 
-Run it from the repository root. Arms (every one from the committed base model):
-- flowgrpo: data/recipes/shapes-flowgrpo.toml (scalar reward = mean atom score, group z-score;
-  hand-set fixed window, steps [0, 3); all-dims clip range 1e-3);
-- cast: data/recipes/shapes-cast.toml (calibrated window; atom z-scores projected through the
-  verifier's heatmaps; per-position clip range);
-- cast-fixed-window: cast with the flowgrpo recipe's `[window]` section;
-- cast-no-map: cast with `advantage.kind = "atom"`: the same gated atom z-scores, but each
-  sample's map is the constant mean of them (atom-level credit, no pixel projection);
-- cast-late-window: cast with a fixed window at steps [6, 9) (`LATE_WINDOW`), where the atom types
-  become decidable on the base model (ReCAST's gains), added after the first full run showed the
-  calibrated window landing on Flow-GRPO's [0, 3).
-With `--suite all` (the default), the fixes the issue asks to try when CAST does not win, each
-one change to the cast arm (`FIXES`): cast-no-global (`advantage.global_weight = 0`),
-cast-std-floor (atom group std floored at 0.1, so near-tied atoms get small advantages instead of
-unit-variance noise), cast-tight-clip (per-position clip range 0.01), cast-peak-norm (heatmaps
-scaled to peak 1 instead of mean 1, `advantage.heatmap_norm`); two arms that split Flow-GRPO
-from CAST one change at a time (`ONE_CHANGE`, the report's "One change at a time" table of paired
-differences): flowgrpo-calibrated (the scalar reward with CAST's calibrated window) and
-cast-no-map-fixed-window (atom advantages with a constant map in Flow-GRPO's window); and the
-ReCAST comparison (issue 7; rewards = atom types):
-- recast-equal: cast with `recast.weighting = "recast"` at equal budgets (its static counterpart
-  is cast itself: static weights at equal budgets are 1, CAST's map);
-- static-skewed / recast-skewed: static and ReCAST weighting at budgets `SKEWED` (count and
-  relation, the base's weakest atom types, count double).
-Equal budget: every arm runs the same iterations with the same seed list (`run.seed` = s), so it
-draws the same train prompts at each iteration and starts each iteration's rollouts from the same
-noise seeds; prompts, group size, sampler, LoRA and optimizer settings are equal (checked, see
-`check_equal_budget`); only the advantage, the window and the clip range (Flow-GRPO's all-dims
-ratio needs its own) differ, as the recipes say.
+Run it from the repository root. Arms (every one from the committed base model; `arms()`):
+flowgrpo (data/recipes/shapes-flowgrpo.toml: scalar reward = mean atom score, group z-score,
+hand-set window [0, 3), all-dims clip range) and cast (data/recipes/shapes-cast.toml: calibrated
+window, atom z-scores projected through the verifier's heatmaps, per-position clip range) form
+suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
+cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
+cast-no-map-fixed-window; per-atom vs scalar credit, which in cast-no-map-fixed-window - flowgrpo
+comes with the per-position ratio instead of the all-dims one: no arm changes the ratio alone; and
+the four `FIXES`); suite `recast` adds the ReCAST pairs (recast-equal against cast, recast-skewed
+against static-skewed at budgets `SKEWED`). `--arms` picks any arms of any suite, flowgrpo among
+them.
 
-Protocol. Stages are called as functions (no Prefect server) on one store: each arm x seed is its
-own run `<prefix>-<arm>-s<seed>` (prefix `bench`, `quick` with --quick); checkpoints are evaluated
-every `eval_every` iterations and at the last one. The base model (iteration -1) is evaluated once,
-as run `<prefix>-base`: it is the same for every arm (same weights, eval prompts and noise seeds,
-which come from the prompt text; the eval spec hashes are checked equal). Eval prompts: an evenly
-spaced subset of each split file (`eval_prompts` lines, stored as a blob), because the files are
-grouped by tag and `eval.max_prompts` (the first N) would keep only the first tags.
-Re-running on the same store resumes: finished stages are skipped (their recorded times stay).
-Keep one benchmark size per store. Query it like any store, e.g. strict accuracy by arm:
+Protocol. Every arm trains on data/prompts/pool.jsonl (32 hard-tag train prompts, disjoint from
+every evaluation prompt) with `prompts.selection = "cycle"`: iteration k trains on pool positions
+(k B + j) mod 32, so every prompt comes back every 32 / B iterations and all arms see the same
+prompts at the same iteration; run seed s gives every arm the same rollout noise. The train
+settings other than the clip range are equal across arms (checked, `check_equal_budget`). Stages
+are called as functions (no Prefect server) on one store; each arm x seed is run
+`<prefix>-<arm>-s<seed>` (prefix `bench`, `quick` with --quick), the base model run
+`<prefix>-base` (evaluated once, shared). Evaluations (the evaluate stage, one `evals` part per
+split; `EvalPass`):
+- probe, after every iteration and for the base (iteration -1): the 32 pool prompts x
+  `probe_images`, seed offset 0 (the same noise at every checkpoint, so the curve shows a trend
+  rather than a draw);
+- final, after the last iteration and for the base: split "pool" (the training prompts with fresh
+  noise, seed offset 1000) x `pool_images`, and the held-out splits "hard"
+  (data/prompts/hard.jsonl) x `hard_images` and "eval" (data/prompts/eval.jsonl) x `eval_images`
+  (seed offset 0; `held_out_prompts` keeps an evenly spaced subset of each for small runs). Every
+  arm and the base use the same prompts and noise: the eval specs are checked equal, so every
+  gain and every difference between arms is paired.
+Re-running on the same store resumes: finished stages are skipped. Keep one size per store.
 
-    .venv/bin/cast sql --root runs/bench-methods "SELECT regexp_extract(run_id,
-        '^bench-(.+)-s[0-9]+$', 1) AS arm, iteration, split, avg(strict_accuracy)
-        FROM evals WHERE group_kind = 'overall' GROUP BY ALL ORDER BY ALL"
+Statistics (benchmarks/bench_stats.py; the report states each): gain = final - base per arm, seed,
+split and metric (mean atom score, strict accuracy), mean over seeds with a 95% t-interval over
+seeds (with one seed, the paired prompt-bootstrap interval of that seed's gain); cast - flowgrpo
+per seed with a t-interval; gain ratios with a paired bootstrap over seeds; each checkpoint's
+figures with a 95% bootstrap over prompts (clusters) and the half-width image noise alone gives.
+Learning curves: the probe's mean atom score and strict accuracy against samples seen (the
+checkpoint of iteration k has trained on (k + 1) B G samples, the base on 0) and against wall time
+(the run's cumulative stage seconds, from the `stages` table: CSGs and calibration, then each
+iteration's rollout, scores, advantages, ReCAST gains if any, and training; evaluations excluded).
+Sample efficiency: the samples each arm's mean probe curve needs to reach Flow-GRPO's final probe
+score (linear between checkpoints), over Flow-GRPO's, bootstrap over seeds. figures.json beside
+report.md: one entry per target of issue 17 (`bench_report.figures`).
 
-Statistics, from the store (DuckDB over `evals` and `stages`; arm and seed parsed from run_id):
-improvement = metric of the last checkpoint - metric of the base, per arm, seed, split, for strict
-accuracy and mean atom score. Mean over seeds with a 95% Student t-interval over seeds
-(mean +- t_{0.975, n-1} s / sqrt(n); none with one seed). The base is one fixed evaluation, so the
-interval is over training seeds only (the eval's prompts and noise are fixed). The ratio
-improvement(arm) / improvement(flowgrpo) has a 95% percentile interval from a bootstrap over seeds,
-paired (one resample of seed indices for both arms, since seed s shares prompts and noise), 10000
-draws, fixed seed; no ratio when Flow-GRPO's mean improvement is <= 0, and no interval when more
-than 2.5% of draws have a denominator <= 0 (the interval is unbounded) or with one seed. Time: the
-body seconds of each stage from the `stages` table (the same records train_steps.
-stage_seconds_json is made from, which lacks train_epoch itself); iteration = rollout +
-score_atoms + compute_advantages + train_epoch; medians over seeds x iterations; ratio = median
-CAST / median Flow-GRPO.
+Sizing, measured on this 2-core machine (2026-12-03, the committed base model; two other jobs
+shared the cores, so the loaded figures are upper bounds). The base's images, each scored by its
+mean atom score (pool: 32 prompts x 16 images at seed offset 1000; hard 200 x 2; eval 207 x 2):
 
-Full-mode size (the default): 14 arms x 3 seeds x 4 iterations of the default recipes (16 prompts
-x 8 samples), evaluated at the last iteration on 64 prompts per split x 2 images (256 images per
-checkpoint). Measured on this 2-core machine (2026-12-03, lr 3e-3): 74.5 min for the first 12 arms
-(a one-thread probe beside it for ~25 min of it) and 13.0 min for the two one-change arms (a test
-beside it for 5 min); the stages' bodies sum to 85.6 min; medians 16-18 s per iteration (rollout
-8-9, training 7-8), ReCAST gains ~6 s per estimate, 17-20 s per evaluated checkpoint. On a quiet
-machine expect about 65-75 min. `--iterations 12 --arms flowgrpo,cast` took 27 min.
-`--suite methods` runs the first five arms only; `--arms flowgrpo,cast` any subset that
-includes flowgrpo; `--lr X` replaces every arm's learning rate (a probe: use its own `--store`,
-since run names do not carry the lr).
---quick: 2 seeds x 2 iterations, 4 prompts x 4 samples, 6 eval prompts per split x 2 images at
-every iteration, the recipes' calibration (16 prompts; with fewer it can land on Flow-GRPO's
-window, which makes cast and cast-fixed-window the same run): a smoke check of ~5 minutes.
+    split  per-image SD  within-prompt SD  SD of prompt means  mean
+    pool   0.189         0.174             0.087 (x16 images)  0.621
+    hard   0.182         0.170             0.136 (x2)          0.586
+    eval   0.276         0.207             0.234 (x2)          0.577
+
+A 95% half-width of 0.01 from image noise (prompts held fixed) needs (1.96 x within-prompt SD /
+0.01)^2 images: pool 1166 (36 a prompt), hard 1115 (6), eval 1654 (8); treating images as
+independent (per-image SD), 1375, 1268 and 2933. With prompts as clusters, the spread between
+prompts sets a floor that more images cannot lower: about +-0.026 on the pool (32 prompts; but
+the pool is the whole population being trained, so the image-noise half-width is the one that
+applies there), +-0.009 on hard and +-0.025 on eval. Times at 2 threads, at a quiet moment: one
+iteration at B = 8, G = 16 took 17.4 s (rollout 9.9, scores 0.3, advantages 0.2, training 7.0;
+cast), the probe 11.0 s for its 128 images, i.e. 0.086 s an evaluated image (the same figures as
+the earlier quiet runs: 16-18 s per 128-sample iteration, 9.15 s to sample 128 images); under the
+load, 50-200 s an iteration and 0.19-0.21 s an image (threads 1).
+- FULL (the default; suite main): 3 seeds x 16 iterations x 8 prompts x 16 samples (2048 samples
+  a run, every pool prompt 4 times), probe 4 images a prompt, final pool 32 images a prompt (1024
+  images: +-0.011 from image noise), hard 6 (1200: +-0.010; with prompt clusters about +-0.013),
+  eval 4 (828: +-0.014; with prompt clusters about +-0.029; 8 a prompt would reach +-0.010 from
+  image noise for 71 s more per run, which the time budget does not hold). Estimate at the quiet
+  figures: 2 + 16 x (17.5 + 11.0) + 3052 x 0.086 = 720 s = 12.0 min per arm and seed, the base
+  4.6 min, about 77 min for the 2 arms x 3 seeds; on a loaded machine up to twice that. Suite
+  ablations (11 arms) takes about 6.7 h, suite recast (5 arms) about 3.2 h.
+- QUICK: flowgrpo, 1 seed, 6 iterations, probe 4, final pool 8 images a prompt, hard and eval 2
+  images on 64 evenly spaced prompts each: about 3.6 min for the run and 0.9 min for the base,
+  4.5 min in all at the quiet figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when loaded by path
+
+from bench_stats import (
+    Interval,
+    PromptScores,
+    Ratio,
+    checkpoint_figures,
+    crossing_ratio,
+    paired_gain,
+    ratio_bootstrap,
+    samples_to_threshold,
+    t_interval,
+    t_quantile,
+)
+
+__all__ = ["Interval", "Ratio", "ratio_bootstrap", "t_interval", "t_quantile"]
+
 FLOWGRPO_RECIPE = "data/recipes/shapes-flowgrpo.toml"
 CAST_RECIPE = "data/recipes/shapes-cast.toml"
+POOL, HARD, EVAL = ("data/prompts/pool.jsonl", "data/prompts/hard.jsonl",
+                    "data/prompts/eval.jsonl")
 BASELINE = "flowgrpo"
-SPLITS = ("hard", "eval")
-METRICS = (("strict_accuracy", "strict accuracy"), ("mean_score", "mean atom score"))
+FINAL_SPLITS = ("pool", "hard", "eval")
+METRICS = (("mean_score", "mean atom score"), ("strict_accuracy", "strict accuracy"))
+PROBE_OFFSET, FINAL_OFFSET = 0, 1000
 ITERATION_STAGES = ("rollout", "score_atoms", "compute_advantages", "train_epoch")
-SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling", "eval")
-SAME_TRAIN = ("lr", "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "micro_batch",
-              "max_grad_norm", "weight_decay")
-SUITES = ("methods", "all")
+RUN_STAGES = ("build_csgs", "calibrate_window")
+SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling")
+SAME_TRAIN = ("lr", "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch",
+              "micro_batch", "warmup_steps", "max_grad_norm", "weight_decay")
+SUITES = ("main", "ablations", "recast")
 # Issue 7's second budget: the two weakest atom types of the base (count, relation) count double.
 SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
 # Window ablation: the steps where the atom types become decidable on the base model (ReCAST's
@@ -124,7 +150,7 @@ ONE_CHANGE = (
     ("cast-late-window", "cast-fixed-window", "window: fixed [6, 9), not [0, 3) (atom maps)"),
     ("cast-no-map-fixed-window", "flowgrpo",
      ("advantage: atom z-scores (constant map, per-position ratio) instead of the scalar reward "
-     "(hand-set window)")),
+     "(all-dims ratio; hand-set window)")),
     ("cast-no-map", "flowgrpo-calibrated",
      "advantage: atom z-scores instead of the scalar reward (calibrated window)"),
     ("cast-fixed-window", "cast-no-map-fixed-window",
@@ -149,180 +175,147 @@ class Arm:
 
 @dataclass(frozen=True)
 class Size:
-    """How big a benchmark is; None keeps the recipe's value."""
+    """How big a benchmark is: seeds, iterations of B prompts x G samples, images a prompt of the
+    probe and of the final evaluation's splits; `held_out_prompts` (None: every prompt of
+    hard.jsonl and eval.jsonl) keeps an evenly spaced subset of each;
+    `calibration_prompts` None keeps the recipe's."""
 
     iterations: int
     seeds: int
-    eval_prompts: int
-    images_per_prompt: int
-    eval_every: int
-    per_iteration: int | None = None
-    group_size: int | None = None
+    per_iteration: int
+    group_size: int
+    probe_images: int
+    pool_images: int
+    hard_images: int
+    eval_images: int
+    held_out_prompts: int | None = None
     calibration_prompts: int | None = None
 
     def __post_init__(self) -> None:
-        if min(self.iterations, self.seeds, self.eval_prompts, self.images_per_prompt,
-               self.eval_every) < 1:
-            raise ValueError(f"every size must be >= 1: {self}")
+        small = [f.name for f in fields(self) if isinstance(v := getattr(self, f.name), int)
+                 and v < 1]
+        if small or self.group_size < 2:
+            raise ValueError(f"every size must be >= 1 (group_size >= 2); got {self}")
 
-    def eval_at(self) -> tuple[int, ...]:
-        """Evaluated iterations: every `eval_every`-th and the last."""
-        every = range(self.eval_every - 1, self.iterations, self.eval_every)
-        return tuple(sorted({*every, self.iterations - 1}))
-
-
-FULL = Size(iterations=4, seeds=3, eval_prompts=64, images_per_prompt=2, eval_every=4)
-QUICK = Size(iterations=2, seeds=2, eval_prompts=6, images_per_prompt=2, eval_every=1,
-             per_iteration=4, group_size=4)
+    def samples(self) -> list[int]:
+        """Samples seen by the base (0) and by the checkpoint of each iteration."""
+        return [k * self.per_iteration * self.group_size for k in range(self.iterations + 1)]
 
 
-# ---- statistics ---------------------------------------------------------------------------
+FULL = Size(iterations=16, seeds=3, per_iteration=8, group_size=16, probe_images=4,
+            pool_images=32, hard_images=6, eval_images=4)
+QUICK = Size(iterations=6, seeds=1, per_iteration=8, group_size=16, probe_images=4,
+             pool_images=8, hard_images=2, eval_images=2, held_out_prompts=64)
 
 
 @dataclass(frozen=True)
-class Interval:
-    """mean of n values with a two-sided interval [low, high] (None when n < 2)."""
+class EvalPass:
+    """One evaluation section: its splits {name: prompt file}, images a prompt, seed offset."""
 
-    mean: float
-    low: float | None
-    high: float | None
-    n: int
-
-
-@dataclass(frozen=True)
-class Ratio:
-    """A ratio of mean improvements with its bootstrap interval; `note` says why one is None."""
-
-    value: float | None
-    low: float | None
-    high: float | None
-    n: int
-    note: str
+    name: str
+    splits: dict
+    images: int
+    seed_offset: int
 
 
-def t_quantile(p: float, df: int) -> float:
-    """Student's t quantile for p in (0.5, 1): bisection on the CDF, 0.5 + the integral of the
-    density from 0 (Simpson's rule, 4000 intervals); |error| < 1e-6 for df >= 1, p <= 0.999."""
-    if not 0.5 < p < 1 or df < 1:
-        raise ValueError(f"need 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x: float) -> float:
-        u = np.linspace(0.0, x, 4001)
-        f = np.exp(log_c - (df + 1) / 2 * np.log1p(u * u / df))
-        return 0.5 + (u[1] - u[0]) / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        lo, hi = hi, 2 * hi
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
+def eval_passes(size: Size, held_out: dict[str, str]) -> dict[str, EvalPass]:
+    """probe (every checkpoint) and the final evaluation's pool, hard and eval (one split each,
+    named as the pass); `held_out` {"hard": file, "eval": file}."""
+    return {"probe": EvalPass("probe", {"probe": POOL}, size.probe_images, PROBE_OFFSET),
+            "pool": EvalPass("pool", {"pool": POOL}, size.pool_images, FINAL_OFFSET),
+            "hard": EvalPass("hard", {"hard": held_out["hard"]}, size.hard_images, PROBE_OFFSET),
+            "eval": EvalPass("eval", {"eval": held_out["eval"]}, size.eval_images, PROBE_OFFSET)}
 
 
-def t_interval(values: list[float], level: float = 0.95) -> Interval:
-    """mean +- t_{(1+level)/2, n-1} * s / sqrt(n) (s with n - 1); no interval for n < 2."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size == 0:
-        raise ValueError("t_interval needs at least one value")
-    mean = float(x.mean())
-    if x.size < 2:
-        return Interval(mean, None, None, 1)
-    half = t_quantile((1 + level) / 2, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return Interval(mean, mean - half, mean + half, int(x.size))
+def with_eval(recipe, p: EvalPass):
+    """The recipe with its eval section replaced by the pass's (validated)."""
+    from tasks.recipe import EvalSection
 
-
-def ratio_bootstrap(numerator: list[float], denominator: list[float], draws: int = 10000,
-                    seed: int = 0, level: float = 0.95) -> Ratio:
-    """mean(numerator) / mean(denominator) with a paired percentile bootstrap over the n seeds
-    (module docstring); draws whose denominator mean is <= 0 count as +-infinity."""
-    num, den = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
-    if num.shape != den.shape or num.ndim != 1 or num.size == 0:
-        raise ValueError(f"need two equal, non-empty lists (paired by seed): got {num.shape}, "
-                         f"{den.shape}")
-    n, tail = int(num.size), (1 - level) / 2
-    if den.mean() <= 0:
-        return Ratio(None, None, None, n, "Flow-GRPO's mean improvement is <= 0: no ratio")
-    value = float(num.mean() / den.mean())
-    if n < 2:
-        return Ratio(value, None, None, n, "one seed: no interval")
-    idx = np.random.default_rng(seed).integers(0, n, size=(draws, n))  # [draws, n]
-    d, m = den[idx].mean(axis=1), num[idx].mean(axis=1)
-    if (d <= 0).mean() > tail:
-        return Ratio(value, None, None, n, f"{(d <= 0).mean():.1%} of draws have a denominator "
-                     f"<= 0: the interval is unbounded")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(d > 0, m / d, np.copysign(np.inf, m))
-    low, high = np.quantile(r, [tail, 1 - tail], method="inverted_cdf")
-    return Ratio(value, float(low), float(high), n, "")
+    ev = recipe.eval
+    section = EvalSection(splits=p.splits, images_per_prompt=p.images, num_steps=ev.num_steps,
+                          guidance_scale=ev.guidance_scale, max_prompts=None,
+                          seed_offset=p.seed_offset)
+    return recipe.model_copy(update={"eval": section})
 
 
 # ---- recipes and runs ---------------------------------------------------------------------
 
 
-def arms(suite: str = "all") -> tuple[Arm, ...]:
-    """The five method arms, plus with suite "all" the four fix arms (`FIXES`), the two arms
-    that split Flow-GRPO from CAST one change at a time (`ONE_CHANGE`) and the three ReCAST arms;
-    the fixed-window arms take the flowgrpo recipe's window section."""
+def arms(suite: str | None = None) -> tuple[Arm, ...]:
+    """The suite's arms (None: every arm of every suite), flowgrpo first; the fixed-window arms
+    take the flowgrpo recipe's window section."""
     from tasks.recipe import load_recipe
 
-    if suite not in SUITES:
+    if suite is not None and suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}; got {suite!r}")
     w = load_recipe(FLOWGRPO_RECIPE).window
     fixed = {"window.mode": w.mode, "window.start": w.start, "window.size": w.size}
-    methods = (Arm("flowgrpo", FLOWGRPO_RECIPE, {}, "scalar reward, hand-set window"),
-               Arm("cast", CAST_RECIPE, {}, "atom maps, calibrated window (= static weighting "
-                   "at equal budgets)"),
-               Arm("cast-fixed-window", CAST_RECIPE, fixed, "atom maps, Flow-GRPO's window"),
-               Arm("cast-no-map", CAST_RECIPE, {"advantage.kind": "atom"},
-                   "atom advantages, constant map, calibrated window"),
-               Arm("cast-late-window", CAST_RECIPE, LATE_WINDOW,
-                   "atom maps, fixed late window (sigma 0.4-0.2, where ReCAST's gains peak)"))
-    if suite == "methods":
-        return methods
-    fixes = tuple(Arm(name, CAST_RECIPE, overrides, about) for name, overrides, about in FIXES)
-    split = (Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
-                 "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
-             Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
-                 "atom advantages, constant map, Flow-GRPO's window"))
-    return (*methods, *fixes, *split,
-            Arm("recast-equal", CAST_RECIPE, {"recast.weighting": "recast"},
-                "cast + ReCAST step weights, equal budgets"),
-            Arm("static-skewed", CAST_RECIPE, {"recast.weighting": "static",
-                                               "recast.budgets": SKEWED},
-                "cast + static type weights, budgets " + _budgets_text(SKEWED)),
-            Arm("recast-skewed", CAST_RECIPE, {"recast.weighting": "recast",
-                                               "recast.budgets": SKEWED},
-                "cast + ReCAST step weights, budgets " + _budgets_text(SKEWED)))
+    main = (Arm("flowgrpo", FLOWGRPO_RECIPE, {}, "scalar reward, hand-set window"),
+            Arm("cast", CAST_RECIPE, {}, "atom maps, calibrated window (= static weighting at "
+                "equal budgets)"))
+    ablations = (
+        Arm("cast-fixed-window", CAST_RECIPE, fixed, "atom maps, Flow-GRPO's window"),
+        Arm("cast-no-map", CAST_RECIPE, {"advantage.kind": "atom"},
+            "atom advantages, constant map, calibrated window"),
+        Arm("cast-late-window", CAST_RECIPE, LATE_WINDOW,
+            "atom maps, fixed late window (sigma 0.4-0.2, where ReCAST's gains peak)"),
+        *(Arm(name, CAST_RECIPE, overrides, about) for name, overrides, about in FIXES),
+        Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
+            "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
+        Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
+            "atom advantages, constant map, Flow-GRPO's window"))
+    recast = (
+        Arm("recast-equal", CAST_RECIPE, {"recast.weighting": "recast"},
+            "cast + ReCAST step weights, equal budgets"),
+        Arm("static-skewed", CAST_RECIPE, {"recast.weighting": "static", "recast.budgets": SKEWED},
+            "cast + static type weights, budgets " + _budgets_text(SKEWED)),
+        Arm("recast-skewed", CAST_RECIPE, {"recast.weighting": "recast", "recast.budgets": SKEWED},
+            "cast + ReCAST step weights, budgets " + _budgets_text(SKEWED)))
+    by_suite = {"main": main, "ablations": (*main, *ablations), "recast": (*main, *recast)}
+    return by_suite[suite] if suite is not None else (*main, *ablations, *recast)
 
 
 def _budgets_text(budgets: dict[str, float]) -> str:
     return "/".join(f"{k} {v:g}" for k, v in budgets.items())
 
 
+def select_arms(suite: str, only: list[str] | None) -> tuple[Arm, ...]:
+    """The suite's arms, or those named in `only` (any suite's; the baseline among them)."""
+    if only is None:
+        return arms(suite)
+    every = arms()
+    unknown = sorted(set(only) - {a.name for a in every})
+    if unknown or BASELINE not in only:
+        raise ValueError(f"--arms must name known arms and include {BASELINE!r} (the gains are "
+                         f"compared with it); unknown: {unknown}; known: "
+                         f"{[a.name for a in every]}")
+    return tuple(a for a in every if a.name in only)
+
+
 def run_name(prefix: str, arm: str, seed: int) -> str:
     return f"{prefix}-{arm}-s{seed}"
 
 
-def eval_subsets(store, size: Size) -> dict[str, str]:
-    """{split: path of an evenly spaced `eval_prompts`-line subset}, stored as blobs."""
-    from tasks.recipe import load_recipe
-
+def held_out_files(store, size: Size) -> dict[str, str]:
+    """{"hard": file, "eval": file}: the files themselves, or with `held_out_prompts` an evenly
+    spaced subset of each (the files are grouped by tag), stored as blobs."""
+    files = {"hard": HARD, "eval": EVAL}
+    if size.held_out_prompts is None:
+        return files
     out = {}
-    for split, path in sorted(load_recipe(CAST_RECIPE).eval.splits.items()):
+    for split, path in files.items():
         lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
-        keep = np.unique(np.linspace(0, len(lines) - 1, min(size.eval_prompts, len(lines)))
+        keep = np.unique(np.linspace(0, len(lines) - 1, min(size.held_out_prompts, len(lines)))
                          .round().astype(int))
         blob = store.put_blob("".join(lines[i] + "\n" for i in keep).encode(), "jsonl")
         out[split] = str(store.resolve(blob.path))
     return out
 
 
-def recipe_for(arm: Arm, seed: int, size: Size, splits: dict[str, str], name: str,
-               threads: int | None, lr: float | None = None):
-    """The arm's recipe at this size and seed, run `name`, evaluated on `splits` (`lr`, when
-    given, replaces every arm's learning rate)."""
+def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
+               lr: float | None = None):
+    """The arm's training recipe at this size and seed, run `name`, on the pool with "cycle"
+    (`lr`, when given, replaces the learning rate)."""
     from tasks.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
@@ -330,18 +323,17 @@ def recipe_for(arm: Arm, seed: int, size: Size, splits: dict[str, str], name: st
              "train.lr": lr}
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
-        "run.name": name, "run.seed": seed, "eval.splits": splits,
-        "eval.images_per_prompt": size.images_per_prompt, "eval.max_prompts": None})
+        "run.name": name, "run.seed": seed, "prompts.train": POOL, "prompts.selection": "cycle"})
 
 
 def check_equal_budget(recipes: list) -> None:
-    """Raise unless the recipes share seed, prompts, sampler, eval, models, window size and the
-    train settings other than the clip range."""
+    """Raise unless the recipes share seed, prompts, sampler, models, window size and the train
+    settings other than the clip range."""
     def budget(r) -> dict:
         dump = r.model_dump(mode="json")
         return {"seed": r.run.seed, "window_size": r.window.size,
                 **{s: dump[s] for s in SAME_SECTIONS},
-                **{f"train.{f}": dump["train"][f] for f in SAME_TRAIN}}
+                **{f"train.{f}": dump["train"].get(f) for f in SAME_TRAIN}}
 
     first = budget(recipes[0])
     for r in recipes[1:]:
@@ -351,8 +343,19 @@ def check_equal_budget(recipes: list) -> None:
                              f"the comparison would not be at equal budget")
 
 
-def train_run(store, recipe, size: Size) -> int:
-    """Run-level stages, the iterations and their evaluations -> stages that were skipped."""
+def check_paired_evals(recipes: list, passes: dict[str, EvalPass]) -> None:
+    """Raise unless every recipe (arms and base) has the same eval spec under each pass."""
+    from tasks.evaluate_checkpoint import eval_spec_hash
+
+    for p in passes.values():
+        if len({eval_spec_hash(with_eval(r, p)) for r in recipes}) != 1:
+            raise ValueError(f"the eval specs of pass {p.name!r} differ between arms: the final "
+                             f"evaluations would not be paired")
+
+
+def train_run(store, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
+    """Run-level stages, the iterations with a probe after each, and the final evaluation ->
+    {(iteration, what): StageRef} (what: a stage name, or "eval:<pass>")."""
     from tasks.build_csgs import build_csgs
     from tasks.calibrate_window import calibrate_window
     from tasks.compute_advantages import compute_advantages
@@ -362,48 +365,48 @@ def train_run(store, recipe, size: Size) -> int:
     from tasks.score_atoms import score_atoms
     from tasks.train_epoch import train_epoch
 
-    csgs, window = build_csgs(store, recipe), calibrate_window(store, recipe)
-    refs = [csgs, window]
+    refs = {(-1, "build_csgs"): (csgs := build_csgs(store, recipe)),
+            (-1, "calibrate_window"): (window := calibrate_window(store, recipe))}
     for k in range(size.iterations):
-        ro = rollout_groups(store, recipe, csgs, window, k)
-        sc = score_atoms(store, recipe, csgs, ro, k)
-        ad = compute_advantages(store, recipe, ro, sc, k)
+        refs[(k, "rollout")] = ro = rollout_groups(store, recipe, csgs, window, k)
+        refs[(k, "score_atoms")] = sc = score_atoms(store, recipe, csgs, ro, k)
+        refs[(k, "compute_advantages")] = ad = compute_advantages(store, recipe, ro, sc, k)
         gains = (gains_for_training(store, recipe, k) if recipe.recast.weighting == "recast"
                  else None)
-        refs += [ro, sc, ad, train_epoch(store, recipe, csgs, ro, sc, ad, k, gains)]
-        line = f"{recipe.run.name} iteration {k}: {sum(r.seconds for r in refs[-4:]):.1f} s"
-        if gains is not None:
-            refs.append(gains)
-            line += f" + ReCAST gains {gains.seconds:.1f} s"
-        if k in size.eval_at():
-            refs.append(evaluate_checkpoint(store, recipe, k))
-            line += f", eval {refs[-1].seconds:.1f} s"
-        print(line, flush=True)
-    return sum(r.skipped for r in refs)
+        if gains is not None:  # recorded at the iteration it was estimated on
+            refs[(gains.iteration, "recast_gains")] = gains
+        refs[(k, "train_epoch")] = train_epoch(store, recipe, csgs, ro, sc, ad, k, gains)
+        refs[(k, "eval:probe")] = evaluate_checkpoint(store, with_eval(recipe, passes["probe"]), k)
+        spent = sum(r.seconds for (i, w), r in refs.items() if i == k and w != "eval:probe")
+        print(f"{recipe.run.name} iteration {k}: {spent:.1f} s, probe "
+              f"{refs[(k, 'eval:probe')].seconds:.1f} s", flush=True)
+    last = size.iterations - 1
+    for name in FINAL_SPLITS:
+        refs[(last, f"eval:{name}")] = evaluate_checkpoint(store, with_eval(recipe, passes[name]),
+                                                           last)
+    print(f"{recipe.run.name} final evaluation: "
+          f"{sum(refs[(last, f'eval:{n}')].seconds for n in FINAL_SPLITS):.1f} s", flush=True)
+    return refs
+
+
+def evaluate_base(store, recipe, passes: dict[str, EvalPass]) -> dict:
+    """Every pass on the base model (iteration -1) -> {(-1, "eval:<pass>"): StageRef}."""
+    from tasks.evaluate_checkpoint import evaluate_checkpoint
+
+    return {(-1, f"eval:{p.name}"): evaluate_checkpoint(store, with_eval(recipe, p), -1)
+            for p in passes.values()}
 
 
 # ---- results from the store ---------------------------------------------------------------
 
 EVALS_SQL = """
-SELECT run_id, iteration, split, strict_accuracy, mean_score
-FROM evals WHERE group_kind = 'overall' AND list_contains($runs, run_id)
-ORDER BY run_id, iteration, split"""
+SELECT run_id, iteration, split, eval_spec_hash, strict_accuracy, mean_score, hf_energy, images
+FROM evals WHERE group_kind = 'overall' AND list_contains($runs, run_id)"""
 STAGES_SQL = """
-SELECT run_id, iteration, stage,
-       arg_max(epoch(finished_at) - epoch(started_at), finished_at) AS seconds
-FROM stages WHERE list_contains($runs, run_id) GROUP BY ALL ORDER BY ALL"""
+SELECT run_id, iteration, stage, cache_key, epoch(finished_at) - epoch(started_at) AS seconds
+FROM stages WHERE list_contains($runs, run_id)"""
 WINDOWS_SQL = """
 SELECT run_id, method, window_start, window_end FROM windows WHERE list_contains($runs, run_id)"""
-
-
-QUERY = """-- strict accuracy and mean atom score by arm, seed and iteration (the base: arm 'base')
-SELECT coalesce(nullif(regexp_extract(run_id, '^{prefix}-(.+)-s[0-9]+$', 1), ''), 'base') AS arm,
-       regexp_extract(run_id, '-s([0-9]+)$', 1) AS seed, iteration, split, strict_accuracy,
-       mean_score
-FROM evals WHERE group_kind = 'overall' AND starts_with(run_id, '{prefix}-')
-ORDER BY ALL;"""
-
-
 TRAIN_SQL = """
 SELECT run_id, iteration, avg(reward_object) AS object, avg(reward_count) AS count,
        avg(reward_attribute) AS attribute, avg(reward_relation) AS relation,
@@ -412,27 +415,33 @@ FROM train_steps WHERE list_contains($runs, run_id) GROUP BY ALL"""
 TYPE_EVALS_SQL = """
 SELECT run_id, iteration, split, group_name AS atom_type, mean_score
 FROM evals WHERE group_kind = 'atom_type' AND list_contains($runs, run_id)"""
-DIAGNOSTICS_SQL = """
-SELECT run_id, avg(clip_fraction) AS clip_fraction, avg(approx_kl) AS approx_kl,
-       avg(ratio_std) AS ratio_std, avg(grad_norm) AS grad_norm,
-       avg(zero_variance_fraction) AS zero_variance_fraction, count(*) AS steps
-FROM train_steps WHERE list_contains($runs, run_id) AND NOT skipped GROUP BY ALL"""
 GAINS_SQL = """
 SELECT run_id, iteration, any_value(plot_path) AS plot_path
 FROM recast_gains WHERE list_contains($runs, run_id) GROUP BY ALL"""
+# Per optimizer step, read when the column exists (train_steps gained and renamed columns over
+# time: approx_kl became ratio_k3; policy_kl_nats and ref_kl_nats are newer).
+DIAGNOSTIC_COLUMNS = (("clip_fraction", "clip fraction", ".4f"), ("ratio_k3", "ratio k3", ".2e"),
+                      ("approx_kl", "approx KL (older name)", ".2e"),
+                      ("policy_kl_nats", "policy KL (nats)", ".3g"),
+                      ("ref_kl_nats", "ref KL (nats)", ".3g"),
+                      ("ratio_std", "ratio std", ".4f"), ("grad_norm", "grad norm", ".4f"),
+                      ("zero_variance_fraction", "zero-variance groups", ".3f"))
 
 
 @dataclass(frozen=True)
 class Results:
-    """What the report needs, read from the store: evals {(run, iteration, split): row}, stage
-    seconds {(run, iteration, stage): s}, windows {run: (method, start, end)}; for the ReCAST
-    section: train rewards {(run, iteration): {atom type: mean rollout score, "weights": JSON}},
-    type evals {(run, iteration, split, atom type): mean score}, gain plots {(run, iteration):
-    store path of the PNG} (empty without ReCAST runs); diagnostics {run: {column: mean over the
-    run's optimizer steps, "steps": count}} (`DIAGNOSTIC_COLUMNS`)."""
+    """What the report needs, read from the store: evals {(run, iteration, split): overall row};
+    seconds {(run, iteration, what): body seconds} of the stage records this invocation's calls
+    name (what: a stage, or "eval:<pass>"); scores {(run, iteration, split): PromptScores} and
+    grids {(run, iteration, split): store path} of the final evaluations; windows {run: (method,
+    start, end)}; for the ReCAST section train rewards {(run, iteration): {type: mean, "weights":
+    JSON}}, type evals {(run, iteration, split, type): mean score}, gain plots {(run, iteration):
+    path}; diagnostics {run: {column: mean over the run's optimizer steps, "steps": count}}."""
 
     evals: dict
     seconds: dict
+    scores: dict
+    grids: dict
     windows: dict
     train: dict
     type_evals: dict
@@ -440,102 +449,228 @@ class Results:
     diagnostics: dict
 
 
-def read_results(store, runs: list[str], with_gains: bool = False) -> Results:
+def _rows(con, sql: str, runs: list[str]) -> list[dict]:
+    cursor = con.execute(sql, {"runs": runs})
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, r)) for r in cursor.fetchall()]
+
+
+def _diagnostics(con, runs: list[str]) -> dict:
+    present = {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE train_steps)")
+               .fetchall()}
+    columns = [c for c, _, _ in DIAGNOSTIC_COLUMNS if c in present]
+    skipped = "AND NOT skipped" if "skipped" in present else ""
+    sql = (f"SELECT run_id, {''.join(f'avg({c}) AS {c}, ' for c in columns)}count(*) AS steps "
+           f"FROM train_steps WHERE list_contains($runs, run_id) {skipped} GROUP BY ALL")
+    return {r["run_id"]: r for r in _rows(con, sql, runs)}
+
+
+def read_results(store, refs: dict, outputs: dict) -> Results:
+    """`refs` {run: {(iteration, what): StageRef}} from the calls; `outputs` {(run, iteration,
+    pass): (recipe, EvalPass)} of the evaluations whose per-image scores and grids to read."""
+    from tasks.evaluate_checkpoint import eval_outputs, read_image_scores
+
     store.refresh_catalog()
+    runs = sorted(refs)
     con = store.connect_readonly()
     try:
-        def rows(sql: str) -> list[dict]:
-            cursor = con.execute(sql, {"runs": runs})
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, r)) for r in cursor.fetchall()]
-
-        evals = {(r["run_id"], r["iteration"], r["split"]): r for r in rows(EVALS_SQL)}
-        seconds = {(r["run_id"], r["iteration"], r["stage"]): float(r["seconds"])
-                   for r in rows(STAGES_SQL)}
+        evals = {(r["run_id"], r["iteration"], r["split"]): r for r in _rows(con, EVALS_SQL, runs)}
+        recorded = {(r["run_id"], r["iteration"], r["cache_key"]): float(r["seconds"])
+                    for r in _rows(con, STAGES_SQL, runs)}
         windows = {r["run_id"]: (r["method"], r["window_start"], r["window_end"])
-                   for r in rows(WINDOWS_SQL)}
-        train = {(r["run_id"], r["iteration"]): r for r in rows(TRAIN_SQL)}
+                   for r in _rows(con, WINDOWS_SQL, runs)}
+        train = {(r["run_id"], r["iteration"]): r for r in _rows(con, TRAIN_SQL, runs)}
         types = {(r["run_id"], r["iteration"], r["split"], r["atom_type"]): float(r["mean_score"])
-                 for r in rows(TYPE_EVALS_SQL)}
-        plots = ({(r["run_id"], r["iteration"]): r["plot_path"] for r in rows(GAINS_SQL)}
-                 if with_gains else {})
-        diagnostics = {r["run_id"]: r for r in rows(DIAGNOSTICS_SQL)}
+                 for r in _rows(con, TYPE_EVALS_SQL, runs)}
+        plots = {(r["run_id"], r["iteration"]): r["plot_path"] for r in _rows(con, GAINS_SQL, runs)}
+        diagnostics = _diagnostics(con, runs)
     finally:
         con.close()
-    return Results(evals, seconds, windows, train, types, plots, diagnostics)
+    seconds = {(run, k, what): recorded[(run, ref.iteration, ref.cache_key)]
+               for run, by in refs.items() for (k, what), ref in by.items()}
+    scores, grids = {}, {}
+    for (run, k, _), (recipe, p) in outputs.items():
+        found = eval_outputs(store, with_eval(recipe, p), k)
+        for split, data in read_image_scores(store, found).items():
+            scores[(run, k, split)] = PromptScores.from_json(data)
+            grids[(run, k, split)] = found.grids[split]
+    return Results(evals, seconds, scores, grids, windows, train, types, plots, diagnostics)
+
+
+# ---- summary ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Summary:
-    """improvement[(arm, split, metric)] = per-seed values; its Interval; ratios vs flowgrpo;
-    base[(split, metric)]; curve[(arm, split, metric, iteration)] = Interval over seeds;
-    stage medians[(arm, stage)] (stage 'iteration' = the four summed), time ratios vs flowgrpo."""
+    """Everything the report shows, keyed by arm names of `arms`, seeds of `seeds`:
+    base[(split, metric)] (final splits and "probe"); gains[(arm, split, metric)] = per-seed
+    final - base; gain[(arm, split, metric)] = Interval over seeds (one seed: the paired prompt
+    bootstrap); seed_gain[(arm, seed, split, metric)] = paired prompt-bootstrap Interval;
+    checkpoint[(label, split)] = CheckpointFigures (label "base" or "<arm> s<seed>");
+    diff[(arm, split, metric)] = Interval of arm - flowgrpo gains per seed; ratio[(arm, split,
+    metric)] = gain ratio to flowgrpo; curve[(arm, metric)] = [seeds][K + 1] probe values (index 0
+    the base); samples [K + 1]; wall[arm] = [seeds][K + 1] cumulative minutes; threshold (flowgrpo's
+    final probe mean score, mean over seeds); to_threshold[(arm, seed)] = samples or None;
+    crossing[arm] = Ratio to flowgrpo; stage_median[(arm, stage)] (stage "iteration" = the
+    iteration's stages summed) and time_ratio to flowgrpo; minutes[(arm, seed)] = every stage of
+    the run (training, probes, final evaluation); hf[(arm or "base", split)] = hf_energy (mean
+    over seeds)."""
 
-    improvement: dict
-    interval: dict
-    ratio: dict
+    arms: list
+    seeds: list
     base: dict
+    gains: dict
+    gain: dict
+    seed_gain: dict
+    checkpoint: dict
+    diff: dict
+    ratio: dict
     curve: dict
+    samples: list
+    wall: dict
+    threshold: float | None
+    to_threshold: dict
+    crossing: dict
     stage_median: dict
     time_ratio: dict
-    run_level: dict
+    minutes: dict
+    hf: dict
 
 
-def summarise(res: Results, arm_names: list[str], seeds: list[int], prefix: str,
-              size: Size) -> Summary:
-    last, base_run = size.iterations - 1, f"{prefix}-base"
+def _value(res: Results, run: str, k: int, split: str, column: str) -> float:
+    row = res.evals.get((run, k, split))
+    if row is None:
+        raise KeyError(f"no overall `evals` row for run {run}, iteration {k}, split {split}")
+    return float(row[column])
 
-    def value(run: str, k: int, split: str, metric: str) -> float:
-        row = res.evals.get((run, k, split))
-        if row is None:
-            raise KeyError(f"no overall `evals` row for run {run}, iteration {k}, split {split}")
-        return float(row[metric])
 
-    keys = [(s, m) for s in SPLITS for m, _ in METRICS]
-    base = {(s, m): value(base_run, -1, s, m) for s, m in keys}
-    imp = {(a, s, m): [value(run_name(prefix, a, x), last, s, m) - base[(s, m)] for x in seeds]
-           for a in arm_names for s, m in keys}
-    curve = {(a, s, m, k): (t_interval([value(run_name(prefix, a, x), k, s, m) for x in seeds])
-                            if k >= 0 else Interval(base[(s, m)], None, None, len(seeds)))
-             for a in arm_names for s, m in keys for k in (-1, *size.eval_at())}
-    ratio = {(a, s, m): ratio_bootstrap(imp[(a, s, m)], imp[(BASELINE, s, m)])
-             for a in arm_names if a != BASELINE for s, m in keys}
+def _gains(res: Results, names: list[str], seeds: list[int], prefix: str, last: int) -> tuple:
+    base_run = f"{prefix}-base"
+    keys = [(s, m) for s in FINAL_SPLITS for m, _ in METRICS]
+    base = {(s, m): _value(res, base_run, -1, s, m) for s, m in keys}
+    gains = {(a, s, m): [_value(res, run_name(prefix, a, x), last, s, m) - base[(s, m)]
+                         for x in seeds] for a in names for s, m in keys}
+    seed_gain = {}
+    for a in names:
+        for x in seeds:
+            for s in FINAL_SPLITS:
+                score, strict = paired_gain(res.scores[(run_name(prefix, a, x), last, s)],
+                                            res.scores[(base_run, -1, s)])
+                seed_gain |= {(a, x, s, "mean_score"): score, (a, x, s, "strict_accuracy"): strict}
+    gain = {k: (t_interval(v) if len(seeds) > 1 else seed_gain[(k[0], seeds[0], *k[1:])])
+            for k, v in gains.items()}
+    diff = {(a, s, m): t_interval([x - y for x, y in zip(gains[(a, s, m)],
+                                                         gains[(BASELINE, s, m)])])
+            for a in names if a != BASELINE for s, m in keys}
+    ratio = {(a, s, m): ratio_bootstrap(gains[(a, s, m)], gains[(BASELINE, s, m)])
+             for a in names if a != BASELINE for s, m in keys}
+    return base, gains, gain, seed_gain, diff, ratio
+
+
+def _curves(res: Results, names: list[str], seeds: list[int], prefix: str, size: Size) -> tuple:
+    base_run, its = f"{prefix}-base", range(size.iterations)
+    curve = {(a, m): [[_value(res, base_run, -1, "probe", m),
+                       *(_value(res, run_name(prefix, a, x), k, "probe", m) for k in its)]
+                      for x in seeds] for a in names for m, _ in METRICS}
+    wall = {}
+    for a in names:
+        per_seed = []
+        for x in seeds:
+            run = run_name(prefix, a, x)
+            t = sum(res.seconds[(run, -1, st)] for st in RUN_STAGES)
+            steps = [t]
+            for k in its:
+                t += sum(v for (r, i, w), v in res.seconds.items()
+                         if r == run and i == k and not w.startswith("eval:"))
+                steps.append(t)
+            per_seed.append([v / 60 for v in steps])
+        wall[a] = per_seed
+    return curve, wall
+
+
+def _efficiency(curve: dict, names: list[str], seeds: list[int], samples: list[int]) -> tuple:
+    if BASELINE not in names:
+        return None, {}, {}
+    base_curves = curve[(BASELINE, "mean_score")]
+    threshold = float(np.mean([c[-1] for c in base_curves]))
+    to_threshold = {(a, x): samples_to_threshold(samples, c, threshold)
+                    for a in names for x, c in zip(seeds, curve[(a, "mean_score")])}
+    crossing = {a: crossing_ratio(curve[(a, "mean_score")], base_curves, samples)
+                for a in names if a != BASELINE}
+    return threshold, to_threshold, crossing
+
+
+def _times(res: Results, names: list[str], seeds: list[int], prefix: str, size: Size) -> tuple:
     medians = {}
-    for a in arm_names:
-        per_it = [{st: res.seconds[(run_name(prefix, a, x), k, st)] for st in ITERATION_STAGES}
+    for a in names:
+        per_it = [{st: res.seconds.get((run_name(prefix, a, x), k, st), 0.0)
+                   for st in (*ITERATION_STAGES, "recast_gains")}
                   for x in seeds for k in range(size.iterations)]
-        for st in ITERATION_STAGES:
+        for st in (*ITERATION_STAGES, "recast_gains"):
             medians[(a, st)] = float(np.median([p[st] for p in per_it]))
         medians[(a, "iteration")] = float(np.median([sum(p.values()) for p in per_it]))
-    time_ratio = {(a, st): medians[(a, st)] / medians[(BASELINE, st)]
-                  for a in arm_names for st in (*ITERATION_STAGES, "iteration")}
-    run_level = {(a, st): float(np.median([res.seconds[(run_name(prefix, a, x), k, st)]
-                                           for x in seeds for k in ks]))
-                 for a in arm_names for st, ks in (("build_csgs", [-1]), ("calibrate_window", [-1]),
-                                                   ("evaluate", size.eval_at()))}
-    return Summary(imp, {k: t_interval(v) for k, v in imp.items()}, ratio, base, curve, medians,
-                   time_ratio, run_level)
+        for what in ("eval:probe", *(f"eval:{s}" for s in FINAL_SPLITS)):
+            medians[(a, what)] = float(np.median([
+                v for (r, _, w), v in res.seconds.items()
+                if w == what and r in {run_name(prefix, a, x) for x in seeds}]))
+        for st in RUN_STAGES:
+            medians[(a, st)] = float(np.median([res.seconds[(run_name(prefix, a, x), -1, st)]
+                                                for x in seeds]))
+    ratio = {(a, st): medians[(a, st)] / medians[(BASELINE, st)]
+             for a in names for st in (*ITERATION_STAGES, "iteration")
+             if medians[(BASELINE, st)] > 0}
+    minutes = {(a, x): sum(v for (r, _, _), v in res.seconds.items()
+                           if r == run_name(prefix, a, x)) / 60 for a in names for x in seeds}
+    return medians, ratio, minutes
+
+
+def summarise(res: Results, names: list[str], seeds: list[int], prefix: str,
+              size: Size) -> Summary:
+    last, base_run = size.iterations - 1, f"{prefix}-base"
+    base, gains, gain, seed_gain, diff, ratio = _gains(res, names, seeds, prefix, last)
+    base |= {("probe", m): _value(res, base_run, -1, "probe", m) for m, _ in METRICS}
+    checkpoint = {("base", s): checkpoint_figures(res.scores[(base_run, -1, s)])
+                  for s in FINAL_SPLITS}
+    checkpoint |= {(f"{a} s{x}", s): checkpoint_figures(res.scores[(run_name(prefix, a, x), last,
+                                                                     s)])
+                   for a in names for x in seeds for s in FINAL_SPLITS}
+    curve, wall = _curves(res, names, seeds, prefix, size)
+    samples = size.samples()
+    threshold, to_threshold, crossing = _efficiency(curve, names, seeds, samples)
+    medians, time_ratio, minutes = _times(res, names, seeds, prefix, size)
+    hf = {("base", s): _value(res, base_run, -1, s, "hf_energy") for s in FINAL_SPLITS}
+    hf |= {(a, s): float(np.mean([_value(res, run_name(prefix, a, x), last, s, "hf_energy")
+                                  for x in seeds])) for a in names for s in FINAL_SPLITS}
+    return Summary(names, seeds, base, gains, gain, seed_gain, checkpoint, diff, ratio, curve,
+                   samples, wall, threshold, to_threshold, crossing, medians, time_ratio, minutes,
+                   hf)
 
 
 def paired_difference(sm: Summary, arm: str, reference: str, split: str,
                       metric: str) -> Interval:
-    """Interval over seeds of improvement(arm) - improvement(reference), seed by seed (paired:
-    seed s gives both arms the same prompts and noise)."""
-    return t_interval([x - y for x, y in zip(sm.improvement[(arm, split, metric)],
-                                             sm.improvement[(reference, split, metric)])])
+    """Interval over seeds of gain(arm) - gain(reference), seed by seed (paired: seed s gives
+    both arms the same prompts and noise)."""
+    return t_interval([x - y for x, y in zip(sm.gains[(arm, split, metric)],
+                                             sm.gains[(reference, split, metric)])])
+
+
+def one_change(sm: Summary, arm_names: list[str]) -> dict:
+    """{(arm, reference, split, metric): Interval over seeds of the paired difference} for the
+    `ONE_CHANGE` pairs that were run."""
+    return {(a, r, s, m): paired_difference(sm, a, r, s, m)
+            for a, r, _ in ONE_CHANGE if a in arm_names and r in arm_names
+            for s in FINAL_SPLITS for m, _ in METRICS}
 
 
 @dataclass(frozen=True)
 class RecastSummary:
-    """The ReCAST comparison (arms of the recast suite, `RECAST_PAIRS`): train[(arm, type)] =
-    Interval over seeds of the arm's mean rollout score of that type over iterations 1..last
-    minus cast's (same seed: same prompts and noise at every iteration, so the difference is
-    paired; iteration 0 is the base policy in every arm; None when no prompt had the type);
-    held_out[(arm, type)] = Interval of the eval split's per-type mean-score improvement over
-    base; paired[(recast arm, split, metric)] = Interval of the per-seed difference ReCAST -
-    static improvement; weights[arm] = {type: mean over seeds of the last iteration's step
-    weights}; gain_plots[(arm, iteration)] = store path (seed 0, the first and the last
-    estimate)."""
+    """The ReCAST comparison (`RECAST_PAIRS`): train[(arm, type)] = Interval over seeds of the
+    arm's mean rollout score of that type over iterations 1..last minus cast's (same seed: same
+    prompts and noise at every iteration, so paired; None when no prompt had the type);
+    held_out[(arm, type)] = Interval of the eval split's per-type mean-score gain over base;
+    paired[(recast arm, split, metric)] = Interval of ReCAST - static gains per seed;
+    weights[arm] = {type: mean over seeds of the last iteration's step weights};
+    gain_plots[(arm, iteration)] = store path (seed 0, the first and the last estimate)."""
 
     arms: tuple[str, ...]
     train: dict
@@ -545,35 +680,34 @@ class RecastSummary:
     gain_plots: dict
 
 
-def summarise_recast(res: Results, sm: Summary, seeds: list[int], prefix: str,
-                     size: Size) -> RecastSummary:
+def summarise_recast(res: Results, sm: Summary, prefix: str, size: Size) -> RecastSummary:
     import json
 
-    last = size.iterations - 1
+    last, seeds = size.iterations - 1, sm.seeds
     names = tuple(dict.fromkeys(a for pair in RECAST_PAIRS for a in pair))
-    def change(new: float | None, old: float | None) -> float | None:
-        return None if new is None or old is None else new - old
 
     def interval(values: list[float | None]) -> Interval | None:
         kept = [v for v in values if v is not None]
         return t_interval(kept) if kept else None
 
     def trained(arm: str, seed: int, t: str) -> float | None:
-        """Mean rollout score of type t over iterations 1..last (0 is the base policy)."""
         values = [res.train[(run_name(prefix, arm, seed), k)][t] for k in range(1, last + 1)]
         return None if not values or None in values else float(np.mean(values))
+
+    def change(new: float | None, old: float | None) -> float | None:
+        return None if new is None or old is None else new - old
 
     train, held = {}, {}
     for a in names:
         for t in ATOM_TYPES:
-            runs = [run_name(prefix, a, x) for x in seeds]
             train[(a, t)] = interval([change(trained(a, x, t), trained("cast", x, t))
                                       for x in seeds])
             base = res.type_evals.get((f"{prefix}-base", -1, "eval", t))
-            held[(a, t)] = interval([change(res.type_evals.get((r, last, "eval", t)), base)
-                                     for r in runs])
+            held[(a, t)] = interval([change(res.type_evals.get((run_name(prefix, a, x), last,
+                                                                "eval", t)), base)
+                                     for x in seeds])
     paired = {(r, s, m): paired_difference(sm, r, st, s, m)
-              for r, st in RECAST_PAIRS for s in SPLITS for m, _ in METRICS}
+              for r, st in RECAST_PAIRS for s in FINAL_SPLITS for m, _ in METRICS}
     weights = {}
     for a in names:
         found = [json.loads(w) for x in seeds
@@ -588,498 +722,96 @@ def summarise_recast(res: Results, sm: Summary, seeds: list[int], prefix: str,
     return RecastSummary(names, train, held, paired, weights, plots)
 
 
-# ---- report -------------------------------------------------------------------------------
-
-
-def fmt(x: float | None, digits: int = 3) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
-def signed(x: float | None) -> str:
-    return "–" if x is None else f"{x:+.3f}"
-
-
-def table(columns: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
-
-
-def ratio_cell(r: Ratio) -> str:
-    if r.value is None:
-        return r.note
-    if r.low is None:
-        return f"{r.value:.2f} ({r.note})"
-    return f"{r.value:.2f} [{r.low:.2f}, {r.high:.2f}]"
-
-
-def improvement_table(sm: Summary, arm_names: list[str]) -> str:
-    rows = []
-    for a in arm_names:
-        for s in SPLITS:
-            for m, label in METRICS:
-                iv = sm.interval[(a, s, m)]
-                ci = "–" if iv.low is None else f"[{signed(iv.low)}, {signed(iv.high)}]"
-                ratio = ratio_cell(sm.ratio[(a, s, m)]) if a != BASELINE else "1 (baseline)"
-                rows.append([a, s, label, fmt(sm.base[(s, m)]), signed(iv.mean), ci, iv.n, ratio])
-    return table(["arm", "split", "metric", "base", "improvement (mean)", "95% t-interval",
-                  "seeds", "ratio to flowgrpo [95% bootstrap]"], rows)
-
-
-def time_table(sm: Summary, arm_names: list[str]) -> str:
-    stages = (*ITERATION_STAGES, "iteration")
-    rows = [[a, *(f"{sm.stage_median[(a, st)]:.2f}" for st in stages),
-             *(f"{sm.run_level[(a, st)]:.2f}" for st in ("build_csgs", "calibrate_window",
-                                                         "evaluate")),
-             f"{sm.time_ratio[(a, 'iteration')]:.3f}"] for a in arm_names]
-    return table(["arm", *(f"{st} (s)" for st in stages), "CSGs, once (s)", "calibration, once (s)",
-                  "eval per checkpoint (s)", "iteration / flowgrpo"], rows)
-
-
-TARGET_RATIO, TARGET_TIME = 3.0, 1.15  # issue 6: hard-split improvement >= 3x, time <= 1.15x
-
-
-def targets_text(sm: Summary, arm_names: list[str]) -> str:
-    """The issue's targets read off this run, for cast against flowgrpo: the hard-split
-    improvement ratio (both metrics), whether the paired difference is outside the seed
-    interval, and the time ratio per iteration."""
-    if "cast" not in arm_names:
-        return "cast was not run: no verdict on the targets."
-    lines = []
-    for m, label in METRICS:
-        r = sm.ratio[("cast", "hard", m)]
-        d = paired_difference(sm, "cast", BASELINE, "hard", m)
-        met = r.value is not None and r.value >= TARGET_RATIO
-        outside = d.low is not None and (d.low > 0 or d.high < 0)
-        lines.append(
-            f"- Hard split, {label}: cast {signed(sm.interval[('cast', 'hard', m)].mean)}, "
-            f"flowgrpo {signed(sm.interval[(BASELINE, 'hard', m)].mean)}; ratio "
-            f"{ratio_cell(r)} -> target >= {TARGET_RATIO:g}x {'met' if met else 'NOT met'}; "
-            f"paired difference {_interval_cell(d)} -> "
-            f"{'outside' if outside else 'inside'} the seed interval.")
-    t = sm.time_ratio[("cast", "iteration")]
-    lines.append(f"- Time per iteration: cast / flowgrpo = {t:.3f} (median of medians) -> target "
-                 f"<= {TARGET_TIME:g} {'met' if t <= TARGET_TIME else 'NOT met'}.")
-    return "\n".join(lines)
-
-
-def one_change(sm: Summary, arm_names: list[str]) -> dict:
-    """{(arm, reference, split, metric): Interval over seeds of the paired difference
-    improvement(arm) - improvement(reference)} for the `ONE_CHANGE` pairs that were run."""
-    return {(a, r, s, m): paired_difference(sm, a, r, s, m)
-            for a, r, _ in ONE_CHANGE if a in arm_names and r in arm_names
-            for s in SPLITS for m, _ in METRICS}
-
-
-def one_change_table(sm: Summary, arm_names: list[str]) -> str:
-    diffs, rows = one_change(sm, arm_names), []
-    for a, r, about in ONE_CHANGE:
-        for s in SPLITS:
-            if (a, r, s, METRICS[0][0]) in diffs:
-                rows.append([about, f"{a} - {r}", s,
-                             *(_interval_cell(diffs[(a, r, s, m)]) for m, _ in METRICS)])
-    return table(["change", "arms", "split", *(f"{label}, mean [95% t]" for _, label in METRICS)],
-                 rows)
-
-
-ONE_CHANGE_TEXT = (
-    "Each row changes one thing: the per-seed difference of the two arms' improvements over base "
-    "(same prompts and noise per seed, so paired), mean over seeds with a 95% t-interval. An "
-    "interval that contains 0 means this benchmark cannot tell the change from seed noise.")
-
-
-DIAGNOSTIC_COLUMNS = (("clip_fraction", "clip fraction", ".4f"), ("approx_kl", "approx KL", ".2e"),
-                      ("ratio_std", "ratio std", ".4f"), ("grad_norm", "grad norm", ".4f"),
-                      ("zero_variance_fraction", "zero-variance groups", ".3f"))
-
-
-def diagnostics_table(res: Results, arm_names: list[str], seeds: list[int], prefix: str) -> str:
-    """Per arm, the mean over seeds of each run's mean over its optimizer steps."""
-    rows = []
-    for a in arm_names:
-        found = [res.diagnostics[r] for x in seeds
-                 if (r := run_name(prefix, a, x)) in res.diagnostics]
-        rows.append([a, *(format(float(np.mean([f[c] for f in found])), spec) if found else "–"
-                          for c, _, spec in DIAGNOSTIC_COLUMNS), sum(f["steps"] for f in found)])
-    return table(["arm", *(label for _, label, _ in DIAGNOSTIC_COLUMNS), "optimizer steps"], rows)
-
-
-DIAGNOSTICS_TEXT = (
-    "From `train_steps`: per optimizer step, the fraction of clipped ratios, the approximate "
-    "KL between the policy and the rollout's (mean of (r - 1) - log r), the std of the ratios, "
-    "the grad norm before clipping, and the fraction of atom (or prompt) groups with zero "
-    "variance; mean over each run's steps, then over seeds. The ratios are per position for the "
-    "atom arms and per sample for Flow-GRPO, so compare arms of one kind. Whether the policy "
-    "moves at all shows here first: near-zero KL and clip fraction mean the LoRA barely changed "
-    "the sampler, and any eval difference is then noise.")
-
-# What earlier runs of this benchmark found (figures measured then; their stores are not
-# committed). Kept here so every regenerated report carries the history.
-WHAT_WAS_TRIED = """## What was tried (earlier runs)
-
-All of these were measured with the third base model (`data/base/shapes-base` as committed in
-56e1d68, "stage 2" in data/base/README.md: eval strict 0.086, hard strict 0.014 on the full
-splits), not the one this report's figures come from.
-
-1. **First full run at lr 5e-4** (commit bbc743e's report; this size, 3 seeds, the eight arms
-   without the fixes): nothing separated from seed noise. Improvement over base, mean [95% t]:
-   flowgrpo hard mean score -0.004 [-0.013, +0.005], eval mean score +0.011 [-0.018, +0.039];
-   cast -0.002 [-0.024, +0.021] and +0.012 [-0.009, +0.033]; cast-late-window (fixed [6, 9))
-   -0.005 [-0.014, +0.005] and +0.002 [-0.017, +0.020]. The diagnostics explained it: mean
-   approx KL per step 1e-6 to 7e-6, clip fraction <= 0.001, ratio std <= 0.003 (atom arms) and
-   <= 1e-4 (Flow-GRPO): in 4 iterations x 8 optimizer steps the LoRA barely moved the policy.
-2. **Learning-rate probe** (seed 0 only, 4 iterations, same eval subsets; one seed, so each
-   figure carries roughly +-0.02 of seed noise). Eval / hard mean-score improvement over base:
-
-   | arm | lr | eval | hard | approx KL per step | clip fraction |
-   |---|---|---|---|---|---|
-   | cast | 5e-4 | +0.009 | -0.006 | 2.3e-6 | 0.0003 |
-   | cast | 3e-3 | +0.021 | -0.014 | 3.1e-5 | 0.011 |
-   | cast | 1e-2 | -0.004 | +0.002 | 2.0e-4 | 0.060 |
-   | flowgrpo | 3e-3 | +0.058 | +0.026 | 8.6e-8 (per sample) | 0.034 |
-   | flowgrpo | 1e-2 | +0.012 | -0.016 | 2.0e-6 (per sample) | 0.236 |
-   | cast, no map | 3e-3 | +0.016 | -0.001 | 2.2e-5 | 0.007 |
-   | cast, global weight 0 | 3e-3 | +0.039 | +0.001 | 3.8e-5 | 0.014 |
-   | cast, atom std floor 0.1 | 3e-3 | +0.010 | +0.012 | 3.9e-5 | 0.013 |
-   | cast, clip range 0.01 | 3e-3 | -0.002 | +0.013 | 1.3e-5 | 0.038 |
-
-   lr 3e-3 is where both methods move without the clip dominating; the shapes recipes now use
-   it, and the three CAST fixes became arms of this benchmark (cast-no-global, cast-std-floor,
-   cast-tight-clip) so they are measured over seeds, not judged from one; a fourth,
-   cast-peak-norm (the heatmap normalisation, the issue's remaining suggestion), was added
-   without a probe.
-3. **A later window** (cast-late-window, fixed at steps [6, 9) where ReCAST's gains say the atom
-   types become decidable) was added after the first run: no better at lr 5e-4 (above).
-4. **Longer training, lr 3e-3** (`--iterations 12 --arms flowgrpo,cast --store runs/bench-12it
-   --report-dir reports/cast-vs-flowgrpo-12it`, committed beside this report; 3 seeds, evals at
-   iterations 3, 7, 11). Flow-GRPO kept improving and CAST did not: eval mean atom score +0.075
-   [+0.048, +0.102] vs +0.013 [-0.017, +0.043], paired cast - flowgrpo -0.062 [-0.090, -0.034]
-   (outside the seed interval: Flow-GRPO is better on this metric); hard mean score +0.027 vs
-   +0.008 and every strict accuracy difference inside the seed interval. CAST's time per iteration
-   0.92x Flow-GRPO's there. Two readings, both measured: the benchmark's mean atom score is
-   exactly Flow-GRPO's training reward (the mean of the atom scores), while CAST optimises a sum
-   of per-atom z-scores, which weighs every atom's rank in its group equally; and in CAST's runs
-   15% of the advantage mass comes from near-tied atom groups (group std < 0.05), which z-scoring
-   inflates to unit variance (`advantages` table: gated and zero-variance groups carry none).
-   The one-change table above points the same way: at equal window the atom advantage itself
-   (cast-no-map-fixed-window - flowgrpo), not the map or the window, is where CAST loses.
-5. **The full run at lr 3e-3 with that base** (14 arms x 3 seeds x 4 iterations; commit b989254's
-   report). Improvement over base, mean [95% t]: hard strict cast +0.003 [-0.009, +0.014] vs
-   flowgrpo +0.010 [-0.001, +0.022] (ratio 0.25, paired difference -0.008 [-0.027, +0.012], inside
-   the seed interval); hard mean score -0.003 [-0.028, +0.021] vs +0.013 [-0.017, +0.044]; eval
-   mean score +0.012 [-0.014, +0.038] vs +0.038 [-0.005, +0.082]; CAST's time per iteration 1.08x
-   Flow-GRPO's. None of the fix or window arms separated from seed noise. The base's hard-split
-   strict accuracy on the benchmark's subset was 0.000, so the hard ratio was measured on a floor;
-   the base was then retrained (stages 3-5) to lift it.
-"""
-
-
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=90)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _png(fig, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> bytes:
-    """PNG bytes after a tight layout inside `rect` (figure fractions: room for a legend)."""
-    fig.tight_layout(rect=rect)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
-
-
-def _arm_colors(arm_names: list[str]) -> dict:
-    """One distinct colour per arm: tab20's ten dark shades first (ten distinct hues), then its
-    light ones, so few arms never share a hue; 20 before any repeats."""
-    from matplotlib import colormaps
-
-    cmap, order = colormaps["tab20"], [*range(0, 20, 2), *range(1, 20, 2)]
-    return {a: cmap(order[j % 20]) for j, a in enumerate(arm_names)}
-
-
-def plot_improvements(sm: Summary, arm_names: list[str]) -> bytes:
-    """One panel per split x metric: each arm's mean improvement with its 95% t-interval, arms
-    on the y axis (no legend to hide bars), flowgrpo's mean as a dashed line."""
-    colors, y = _arm_colors(arm_names), np.arange(len(arm_names))[::-1]
-    fig = _figure(10, 1.5 + 0.32 * len(arm_names) * len(SPLITS))
-    for i, s in enumerate(SPLITS):
-        for j, (m, label) in enumerate(METRICS):
-            ax = fig.add_subplot(len(SPLITS), len(METRICS), i * len(METRICS) + j + 1)
-            for k, a in enumerate(arm_names):
-                v = sm.interval[(a, s, m)]
-                err = None if v.low is None else [[v.mean - v.low], [v.high - v.mean]]
-                ax.errorbar([v.mean], [y[k]], xerr=err, fmt="o", color=colors[a], capsize=3)
-            ax.axvline(0, color="black", linewidth=0.6)
-            ax.axvline(sm.interval[(BASELINE, s, m)].mean, color="grey", linestyle="--",
-                       linewidth=0.8, label=f"{BASELINE} mean")
-            ax.set_yticks(y, arm_names if j == 0 else [""] * len(arm_names), fontsize=7)
-            ax.set_title(f"{s}: {label}, improvement over base (95% t)", fontsize=9)
-            ax.grid(axis="x", alpha=0.3)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=7, loc="lower right")
-    return _png(fig)
-
-
-def plot_curves(sm: Summary, arm_names: list[str], its: list[int]) -> bytes:
-    colors = _arm_colors(arm_names)
-    fig = _figure(11, 6.5)
-    for i, (m, label) in enumerate(METRICS):
-        for j, s in enumerate(SPLITS):
-            ax = fig.add_subplot(len(METRICS), len(SPLITS), i * len(SPLITS) + j + 1)
-            for a in arm_names:
-                ivs = [sm.curve[(a, s, m, k)] for k in its]
-                ax.plot(its, [v.mean for v in ivs], "o-", color=colors[a], label=a,
-                        linewidth=2.0 if a == BASELINE else 1.0)
-                if all(v.low is not None for v in ivs[1:]):
-                    ax.fill_between(its[1:], [v.low for v in ivs[1:]], [v.high for v in ivs[1:]],
-                                    color=colors[a], alpha=0.08)
-            ax.set_title(f"{s}: {label} (mean over seeds, 95% band)", fontsize=9)
-            ax.set_xlabel("iteration (-1 = base)", fontsize=8)
-            ax.set_xticks(its)
-    handles, labels = fig.axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=7)
-    return _png(fig, rect=(0, 0, 0.8, 1))
-
-
-def plot_times(sm: Summary, arm_names: list[str]) -> bytes:
-    """Per arm, the median seconds of each stage stacked into the iteration."""
-    from matplotlib import colormaps
-
-    y, left = np.arange(len(arm_names))[::-1], np.zeros(len(arm_names))
-    fig = _figure(10, 1.8 + 0.3 * len(arm_names))
-    ax = fig.add_subplot()
-    for k, st in enumerate(ITERATION_STAGES):
-        width = np.array([sm.stage_median[(a, st)] for a in arm_names])
-        ax.barh(y, width, left=left, color=colormaps["tab10"](k), label=st)
-        left += width
-    for k, a in enumerate(arm_names):
-        ax.text(left[k], y[k], f" {sm.time_ratio[(a, 'iteration')]:.2f}x", va="center",
-                fontsize=7)
-    ax.set_yticks(y, arm_names, fontsize=7)
-    ax.set_xlabel("seconds (median over seeds x iterations); label: iteration / flowgrpo")
-    ax.set_title("wall time per iteration, by stage", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
-    ax.margins(x=0.08)
-    return _png(fig)
-
-
-def per_seed_table(sm: Summary, arm_names: list[str], seeds: list[int]) -> str:
-    rows = [[a, s, label, *(signed(v) for v in sm.improvement[(a, s, m)])]
-            for a in arm_names for s in SPLITS for m, label in METRICS]
-    return table(["arm", "split", "metric", *(f"seed {x}" for x in seeds)], rows)
-
-
-def curve_table(sm: Summary, arm_names: list[str], its: list[int]) -> str:
-    rows = [[a, s, label, *(fmt(sm.curve[(a, s, m, k)].mean) for k in its)]
-            for a in arm_names for s in SPLITS for m, label in METRICS]
-    return table(["arm", "split", "metric", *(f"it {k}" for k in its)], rows)
-
-
-def _interval_cell(iv: Interval | None) -> str:
-    if iv is None:
-        return "– (no such atoms)"
-    ci = "" if iv.low is None else f" [{signed(iv.low)}, {signed(iv.high)}]"
-    return signed(iv.mean) + ci
-
-
-def recast_section(rs: RecastSummary, store, out: Path, recast) -> list[str]:
-    """Markdown lines of the ReCAST comparison (`recast`: the ReCAST arms' recipe section);
-    copies the gain plots (seed 0) next to it."""
-    from tasks.store import atomic_write_bytes
-
-    train = table(["arm", *ATOM_TYPES],
-                  [[a, *(_interval_cell(rs.train[(a, t)]) for t in ATOM_TYPES)] for a in rs.arms])
-    held = table(["arm", *ATOM_TYPES],
-                 [[a, *(_interval_cell(rs.held_out[(a, t)]) for t in ATOM_TYPES)]
-                  for a in rs.arms])
-    paired = table(["ReCAST arm", "static arm", "split", "metric",
-                    "ReCAST - static (mean [95% t-interval])"],
-                   [[r, st, s, label, _interval_cell(rs.paired[(r, s, m)])]
-                    for r, st in RECAST_PAIRS for s in SPLITS for m, label in METRICS])
-    weights = table(["arm", "atom type", "weight per window step (mean over seeds)"],
-                    [[a, t, ", ".join(f"{x:.2f}" for x in w[t])]
-                     for a in rs.arms if (w := rs.weights[a]) for t in ATOM_TYPES])
-    intro = (
-        "Rewards are the atom types. `cast` is also the static arm at equal budgets (static "
-        "weights lambda_k / mean(lambda) = 1 give CAST's map exactly; tested). ReCAST weights "
-        "each type's share of the map at window step t by K W[k, t] / mean(lambda), W "
-        f"re-estimated every {recast.every} iteration(s) on {recast.prompts} prompts x "
-        f"{recast.samples_per_prompt} samples of the current policy against exact renders "
-        f"(Renyi alpha {recast.alpha}, tau {recast.tau}).")
-    train_text = ("Training reward: the rollouts' mean atom score per type over iterations 1 to "
-                  "the last, minus cast's (same seed: the same train prompts and noise at each "
-                  "iteration, so paired; prompts differ between iterations, so a change over "
-                  "iterations would mix in prompt difficulty). Mean over seeds [95% t-interval]:")
-    lines = ["## ReCAST: per-reward step weights against static budgets", "", intro, "",
-             train_text, "", train, "",
-             "Held-out: improvement over base of the eval split's mean score per atom type:", "",
-             held, "", "Paired by seed, ReCAST minus static at the same budgets:", "", paired,
-             "", "Weights the loss used at the last iteration:", "", weights, ""]
-    for (arm, k), path in sorted(rs.gain_plots.items()):
-        name = f"gains-{arm}-it{k}.png"
-        atomic_write_bytes(out / name, store.resolve(path).read_bytes())
-        lines += [f"![{arm} gains and W at iteration {k} (seed 0)]({name})", ""]
-    return lines
-
-
-def write_report(out: Path, sm: Summary, res: Results, setup: dict,
-                 recast: list[str] | None = None) -> Path:
-    """report.md with improvements.png, accuracy_by_iteration.png, stage_times.png, and the
-    ReCAST section's `recast` lines when given."""
-    from tasks.store import atomic_write_bytes
-
-    names, seeds = setup["arms"], setup["seeds"]
-    its = [-1, *setup["size"].eval_at()]
-    pngs = {"improvements.png": plot_improvements(sm, names),
-            "accuracy_by_iteration.png": plot_curves(sm, names, its),
-            "stage_times.png": plot_times(sm, names)}
-    windows = {a: sorted({res.windows[run_name(setup["prefix"], a, x)] for x in seeds})
-               for a in names}
-    size = setup["size"]
-    arm_rows = [[a.name, f"`{a.recipe}`", ", ".join(f"{k}={v}" for k, v in a.overrides.items())
-                 or "–", a.about, "; ".join(f"{m} [{s}, {e})" for m, s, e in windows[a.name]),
-                 setup["recipes"][a.name].train.clip_range] for a in setup["arm_defs"]]
-    r0, prefix = setup["recipes"][names[0]], setup["prefix"]
-    provenance = (
-        f"Generated by `{setup['command']}` from store `{setup['store']}` (runs "
-        f"`{prefix}-<arm>-s<seed>`, base `{prefix}-base`); every number below is read from "
-        f"that store's `evals`, `stages` and `windows` tables (and, for the ReCAST section, "
-        f"`train_steps` and `recast_gains`). The stages' recorded bodies sum to "
-        f"{sum(res.seconds.values()) / 60:.1f} min; this invocation took "
-        f"{setup['wall_s'] / 60:.1f} min ({setup['skipped']} stages skipped as already done).")
-    budget = (
-        f"Equal budget (checked): {size.iterations} iterations x {r0.prompts.per_iteration} "
-        f"prompts x {r0.prompts.group_size} samples, seeds {seeds} (run.seed; same train "
-        f"prompts and noise per seed across arms), {r0.sampling.num_steps} sampling steps, CFG "
-        f"{r0.sampling.guidance_scale}, LoRA {r0.train.lora_rank}/{r0.train.lora_alpha}, lr "
-        f"{r0.train.lr}. Eval: {size.eval_prompts} evenly spaced prompts per split x "
-        f"{size.images_per_prompt} images, {r0.eval.num_steps} steps, CFG "
-        f"{r0.eval.guidance_scale}, at iterations {list(size.eval_at())}; the base (-1) is one "
-        f"shared evaluation.")
-    statistics = (
-        "Mean over seeds of (last checkpoint - base); 95% Student t-interval over seeds (t with "
-        "n - 1 degrees of freedom; the eval prompts and noise are fixed, so it reflects training "
-        "seeds). Ratio: mean improvement of the arm / that of flowgrpo, 95% percentile interval "
-        "of a paired bootstrap over seeds (10000 draws; coarse with few seeds).")
-    timing = (
-        "Body seconds of each stage from the `stages` table (what train_steps.stage_seconds_json "
-        "is built from), medians over seeds x iterations; iteration = the four stages summed. "
-        "Other processes on the machine slow the arms unevenly: compare ratios, not seconds.")
-    ratios = ", ".join(f"{st} {sm.time_ratio[('cast', st)]:.3f}"
-                       for st in (*ITERATION_STAGES, "iteration"))
-    md = ["# CAST vs Flow-GRPO on the shapes world", "", provenance, "", "## Setup", "",
-          table(["arm", "recipe", "overrides", "what", "window (per seed)", "clip range"],
-                arm_rows), "", budget, "",
-          "## Against the issue's targets", "", targets_text(sm, names), "",
-          "## Improvement over the base model (last iteration)", "", statistics, "",
-          improvement_table(sm, names), "", "![improvements](improvements.png)", "",
-          "Per seed:", "", per_seed_table(sm, names, seeds), "",
-          "## Accuracy by iteration", "", "Mean over seeds (iteration -1 = base).", "",
-          curve_table(sm, names, its), "",
-          "![accuracy by iteration](accuracy_by_iteration.png)", "",
-          "## Wall time", "", timing, "", time_table(sm, names), "",
-          f"CAST / Flow-GRPO time ratio (of medians) per stage: {ratios}.", "",
-          "![stage times](stage_times.png)", "",
-          "## Training diagnostics", "", DIAGNOSTICS_TEXT, "",
-          diagnostics_table(res, names, seeds, prefix), "",
-          *(["## One change at a time", "", ONE_CHANGE_TEXT, "", one_change_table(sm, names), ""]
-            if one_change(sm, names) else []),
-          *(recast or []),
-          WHAT_WAS_TRIED, "## Query the store", "", "```sql", QUERY.format(prefix=prefix), "```", ""]
-    for name, data in pngs.items():
-        atomic_write_bytes(out / name, data)
-    atomic_write_bytes(out / "report.md", "\n".join(md).encode())
-    return out / "report.md"
-
-
 # ---- the command --------------------------------------------------------------------------
 
 
-def select_arms(suite: str, only: list[str] | None) -> tuple[Arm, ...]:
-    """The suite's arms, or those named in `only` (which must include the baseline)."""
-    defs = arms(suite)
-    if only is None:
-        return defs
-    unknown = sorted(set(only) - {a.name for a in defs})
-    if unknown or BASELINE not in only:
-        raise ValueError(f"--arms must name arms of suite {suite!r} and include {BASELINE!r} "
-                         f"(the ratios are against it); unknown: {unknown}; the suite has "
-                         f"{[a.name for a in defs]}")
-    return tuple(a for a in defs if a.name in only)
-
-
 def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, prefix: str,
-                  threads: int | None = None, command: str = "", suite: str = "all",
-                  lr: float | None = None, only: list[str] | None = None) -> dict:
-    """Train every arm x seed, evaluate, summarise from the store, write the report -> figures.
-    `lr` replaces every arm's learning rate; `only` keeps the named arms (with the baseline)."""
-    from tasks.evaluate_checkpoint import eval_spec_hash, evaluate_checkpoint
+                  threads: int | None = None, command: str = "", suite: str = "main",
+                  lr: float | None = None, only: list[str] | None = None,
+                  quick: bool = False) -> dict:
+    """Train every arm x seed with its probes, evaluate finals and base, summarise from the
+    store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
+    "wall_s"}."""
+    from bench_report import write_report
+
+    from tasks.prompt_sets import load_prompts
     from tasks.store import Store
 
     start, store = time.perf_counter(), Store(store_dir)
     arm_defs, seeds = select_arms(suite, only), list(range(size.seeds))
     names = [a.name for a in arm_defs]
-    with_recast = all(a in names for pair in RECAST_PAIRS for a in pair)
-    splits = eval_subsets(store, size)
-    recipes = {(a.name, x): recipe_for(a, x, size, splits, run_name(prefix, a.name, x), threads,
-                                       lr)
+    recipes = {(a.name, x): recipe_for(a, x, size, run_name(prefix, a.name, x), threads, lr)
                for a in arm_defs for x in seeds}
+    pool_size = len(load_prompts(recipes[(BASELINE, 0)], POOL))
+    if size.per_iteration > pool_size:
+        raise ValueError(f"per_iteration {size.per_iteration} exceeds the pool's {pool_size} "
+                         f"prompts ({POOL}); set --per-iteration <= {pool_size}")
+    passes = eval_passes(size, held_out_files(store, size))
+    base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr)
     for x in seeds:
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
-    if len({eval_spec_hash(r) for r in recipes.values()}) != 1:
-        raise ValueError("the arms' eval specs differ: one shared base evaluation would be wrong")
-    base = recipe_for(arms()[1], 0, size, splits, f"{prefix}-base", threads)
-    skipped = int(evaluate_checkpoint(store, base, -1).skipped)
+    check_paired_evals([base, *recipes.values()], passes)
+    refs = {base.run.name: evaluate_base(store, base, passes)}
     for x in seeds:
         for i in range(len(arm_defs)):
             arm = arm_defs[(i + x) % len(arm_defs)]  # rotate the order per seed
-            skipped += train_run(store, recipes[(arm.name, x)], size)
-    runs = [f"{prefix}-base", *(run_name(prefix, a, x) for a in names for x in seeds)]
-    res = read_results(store, runs, with_gains=with_recast)
+            recipe = recipes[(arm.name, x)]
+            refs[recipe.run.name] = train_run(store, recipe, size, passes)
+    last = size.iterations - 1
+    outputs = {(base.run.name, -1, p): (base, passes[p]) for p in FINAL_SPLITS}
+    outputs |= {(r.run.name, last, p): (r, passes[p]) for r in recipes.values()
+                for p in FINAL_SPLITS}
+    res = read_results(store, refs, outputs)
     sm = summarise(res, names, seeds, prefix, size)
-    rs = summarise_recast(res, sm, seeds, prefix, size) if with_recast else None
+    with_recast = all(a in names for pair in RECAST_PAIRS for a in pair)
+    rs = summarise_recast(res, sm, prefix, size) if with_recast else None
+    skipped = sum(r.skipped for by in refs.values() for r in by.values())
     setup = {"arms": names, "arm_defs": arm_defs, "seeds": seeds, "size": size, "prefix": prefix,
-             "store": str(store.root), "command": command, "skipped": skipped,
-             "wall_s": time.perf_counter() - start,
-             "recipes": {a: recipes[(a, 0)] for a in names}}
-    recast = (recast_section(rs, store, Path(report_dir), recipes[("recast-equal", 0)].recast)
-              if rs is not None else None)
-    path = write_report(Path(report_dir), sm, res, setup, recast)
-    print(f"\n{improvement_table(sm, names)}\n\n{time_table(sm, names)}\n")
-    if one_change(sm, names):
-        print(f"{one_change_table(sm, names)}\n")
-    print(f"{targets_text(sm, names)}\n")
-    if recast:
-        print("\n".join(recast))
-    print(f"wall time {setup['wall_s']:.1f} s; report {path}")
-    return {"summary": sm, "recast": rs, "report": path, "wall_s": setup["wall_s"]}
+             "store": store, "command": command, "skipped": skipped, "quick": quick,
+             "wall_s": time.perf_counter() - start, "passes": passes,
+             "recipes": {a: recipes[(a, 0)] for a in names},
+             "recast": recipes[("recast-equal", 0)].recast if with_recast else None}
+    written = write_report(Path(report_dir), sm, res, setup, rs)
+    print(f"wall time {setup['wall_s']:.1f} s; report {written['report']}")
+    return {"summary": sm, "recast": rs, "wall_s": setup["wall_s"], **written}
+
+
+def _size_from_args(args) -> Size:
+    size = QUICK if args.quick else FULL
+    given = {f: getattr(args, f) for f in ("seeds", "iterations", "per_iteration", "group_size",
+                                           "probe_images", "pool_images", "hard_images",
+                                           "eval_images", "held_out_prompts")
+             if getattr(args, f) is not None}
+    return replace(size, **given)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke-check size")
+    parser.add_argument("--quick", action="store_true",
+                        help="QUICK: flowgrpo only, one seed, a smoke check under 10 minutes")
     parser.add_argument("--store", default=None, help="store root (default runs/bench-methods, "
                         "runs/bench-methods-quick/store with --quick)")
     parser.add_argument("--report-dir", default=None, help="default reports/cast-vs-flowgrpo, "
                         "runs/bench-methods-quick/report with --quick")
-    parser.add_argument("--seeds", type=int, default=None)
-    parser.add_argument("--iterations", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (run.threads)")
-    parser.add_argument("--suite", choices=SUITES, default="all",
-                        help="methods: the five method arms; all: also the fix and ReCAST arms")
+    parser.add_argument("--suite", choices=SUITES, default="main",
+                        help="main: flowgrpo and cast; ablations: and the one-change arms; "
+                        "recast: and the ReCAST pair")
     parser.add_argument("--arms", default=None,
-                        help="comma-separated arm names to run (must include flowgrpo)")
+                        help="comma-separated arm names of any suite (must include flowgrpo)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (run.threads)")
     parser.add_argument("--lr", type=float, default=None,
-                        help="replace every arm's learning rate (e.g. a probe: --seeds 1 --lr 1e-2 "
-                             "--arms flowgrpo,cast --store runs/probe-lr1e-2)")
+                        help="replace every arm's learning rate (a probe: use its own --store)")
+    for flag in ("seeds", "iterations", "per-iteration", "group-size", "probe-images",
+                 "pool-images", "hard-images", "eval-images", "held-out-prompts"):
+        parser.add_argument(f"--{flag}", type=int, default=None,
+                            help=f"override Size.{flag.replace('-', '_')}")
     args = parser.parse_args(argv)
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0; got {args.lr}")
-    size = QUICK if args.quick else FULL
-    size = replace(size, seeds=args.seeds or size.seeds,
-                   iterations=args.iterations or size.iterations)
+    size = _size_from_args(args)
+    only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    if args.quick and only is None:
+        only = [BASELINE]
     quick = Path("runs/bench-methods-quick")
     store = Path(args.store or (quick / "store" if args.quick else "runs/bench-methods"))
     report = args.report_dir or (quick / "report" if args.quick else "reports/cast-vs-flowgrpo")
@@ -1089,9 +821,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     command = "python benchmarks/bench_methods.py " + " ".join(sys.argv[1:] if argv is None
                                                                else argv)
-    only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
-                  command.strip(), args.suite, args.lr, only)
+                  command.strip(), args.suite, args.lr, only, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The CAST vs Flow-GRPO benchmark (benchmarks/bench_methods.py): its statistics against closed
-forms and known t quantiles, the equal-budget check, and (slow) the whole command at a tiny size."""
+"""The CAST vs Flow-GRPO benchmark (benchmarks/bench_methods.py, bench_stats.py, bench_report.py):
+its statistics against closed forms and known t quantiles, the protocol's recipes and eval passes,
+the summary and figures.json on synthetic results, and (slow) the whole command at a tiny size."""
 
-import importlib.util
+import json
 import math
 import statistics
 import sys
@@ -11,18 +12,13 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+import bench_methods as bm
+import bench_report as br
+import bench_stats as bs
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_methods",
-                                                  REPO / "benchmarks" / "bench_methods.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bm = _load()
+# ---- statistics ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("df", "expected"), [(1, 12.706204736), (2, 4.302652730),
@@ -59,7 +55,6 @@ def test_ratio_bootstrap_is_deterministic_and_brackets_the_ratio():
     other = bm.ratio_bootstrap(num, den, seed=4)  # another seed: the same interval, roughly
     assert other.low == pytest.approx(a.low, rel=0.2) and other.high == pytest.approx(a.high,
                                                                                       rel=0.2)
-    # bounds are resample ratios: within the extremes a resample can reach
     per_seed = np.asarray(num) / np.asarray(den)
     assert per_seed.min() <= a.low and a.high <= per_seed.max()
 
@@ -77,167 +72,349 @@ def test_ratio_bootstrap_closed_forms_and_refusals():
         bm.ratio_bootstrap([0.1, 0.2], [0.1])
 
 
-def test_eval_iterations_and_sizes():
-    assert bm.FULL.eval_at() == (3,)
-    assert bm.QUICK.eval_at() == (0, 1)
-    assert bm.Size(iterations=5, seeds=1, eval_prompts=1, images_per_prompt=1,
-                   eval_every=10).eval_at() == (4,)
+def test_samples_to_threshold_interpolates_the_first_crossing():
+    x = [0, 100, 200, 300]
+    curves = [[0.5, 0.6, 0.8, 0.7], [0.5, 0.7, 0.6, 0.9], [0.8, 0.9, 0.9, 0.9],
+              [0.5, 0.6, 0.65, 0.69]]
+    want = [150.0, 100.0, 0.0, None]  # 0.0: the base is there already; None: never
+    for y, w in zip(curves, want):
+        assert bs.samples_to_threshold(x, y, 0.7) == (None if w is None else pytest.approx(w))
+    vectorised = bs._crossings(np.array(curves), np.full(4, 0.7), np.array(x, float))
+    assert vectorised.tolist() == pytest.approx([150.0, 100.0, 0.0, math.inf])
+
+
+def test_crossing_ratio_closed_forms_and_refusals():
+    x = [0, 100, 200, 300, 400]
+    baseline = [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3  # reaches its final 0.7 at 400
+    fast = [[0.5, 0.6, 0.7, 0.7, 0.75]] * 3  # reaches 0.7 at 200
+    r = bs.crossing_ratio(fast, baseline, x)
+    assert (r.value, r.low, r.high) == pytest.approx((0.5, 0.5, 0.5))  # identical seeds
+    slow = [[0.5, 0.5, 0.55, 0.6, 0.65]] * 3
+    never = bs.crossing_ratio(slow, baseline, x)
+    assert never.value is None and "never reaches" in never.note
+    flat = bs.crossing_ratio(fast, [[0.5, 0.5, 0.5, 0.5, 0.5]] * 3, x)
+    assert flat.value is None and "not above the base" in flat.note
+    one = bs.crossing_ratio(fast[:1], baseline[:1], x)
+    assert one.value == pytest.approx(0.5) and "one seed" in one.note
+    noisy = bs.crossing_ratio([[0.5, 0.6, 0.7, 0.7, 0.8], [0.5, 0.55, 0.65, 0.72, 0.7]],
+                              [[0.5, 0.55, 0.6, 0.65, 0.72], [0.5, 0.52, 0.6, 0.66, 0.68]], x)
+    assert noisy.low <= noisy.value <= noisy.high
+    with pytest.raises(ValueError, match="paired by seed"):
+        bs.crossing_ratio(fast, baseline[:2], x)
+
+
+def _prompt_scores(per_prompt: list[list[list[float]]]) -> bs.PromptScores:
+    """PromptScores from [prompt][image][atom] scores, through the evaluate stage's JSON."""
+    flat = [img for prompt in per_prompt for img in prompt]
+    return bs.PromptScores.from_json({"prompts": [f"p{i}" for i in range(len(per_prompt))],
+                                      "images_per_prompt": len(per_prompt[0]), "scores": flat})
+
+
+def test_checkpoint_figures_are_ratios_of_sums_with_prompt_clusters():
+    s = _prompt_scores([[[1.0, 0.0], [1.0, 1.0]], [[0.2, 0.4, 0.6], [0.9, 0.9, 0.9]]])
+    c = bs.checkpoint_figures(s)
+    assert c.mean_score.mean == pytest.approx((1 + 0 + 1 + 1 + 0.2 + 0.4 + 0.6 + 2.7) / 10)
+    assert c.strict_accuracy.mean == pytest.approx(2 / 4)  # [1, 1] and [0.9] x 3 pass
+    assert c.images == 4 and c.mean_score.n == 2
+    assert c.mean_score.low <= c.mean_score.mean <= c.mean_score.high
+    # the bootstrap's extremes are the single-prompt means: 3 / 4 and 3.9 / 6
+    assert c.mean_score.low >= 3.9 / 6 - 1e-12 and c.mean_score.high <= 0.75 + 1e-12
+    # image noise only: A_p^2 I var_p summed, over (I sum A_p)^2
+    var = [np.var([0.5, 1.0], ddof=1), np.var([0.4, 0.9], ddof=1)]
+    want = 1.959963985 * math.sqrt(4 * 2 * var[0] + 9 * 2 * var[1]) / (2 * 5)
+    assert c.noise_half_width == pytest.approx(want)
+    same = _prompt_scores([[[0.5, 0.5]], [[0.5, 0.5]]])
+    assert bs.checkpoint_figures(same).mean_score.low == pytest.approx(0.5)
+    assert bs.checkpoint_figures(same).noise_half_width is None  # one image per prompt
+
+
+def test_paired_gain_cancels_prompt_effects():
+    old = _prompt_scores([[[0.2, 0.2], [0.4, 0.4]], [[0.8, 0.8], [0.6, 0.6]]])
+    new = _prompt_scores([[[0.3, 0.3], [0.5, 0.5]], [[0.9, 0.9], [0.7, 0.7]]])
+    score, strict = bs.paired_gain(new, old)
+    assert (score.mean, score.low, score.high) == pytest.approx((0.1, 0.1, 0.1))
+    assert strict.mean == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="same prompts"):
+        bs.paired_gain(new, _prompt_scores([[[0.3, 0.3]]]))
+
+
+# ---- protocol -----------------------------------------------------------------------------
+
+
+def test_sizes_and_samples_seen():
+    assert bm.FULL.samples()[:3] == [0, 128, 256]
+    assert len(bm.FULL.samples()) == bm.FULL.iterations + 1
+    assert (bm.FULL.per_iteration, bm.FULL.group_size, bm.FULL.seeds) == (8, 16, 3)
+    assert bm.QUICK.seeds == 1
     with pytest.raises(ValueError, match=">= 1"):
-        bm.Size(iterations=0, seeds=1, eval_prompts=1, images_per_prompt=1, eval_every=1)
+        bm.Size(iterations=0, seeds=1, per_iteration=1, group_size=2, probe_images=1,
+                pool_images=1, hard_images=1, eval_images=1)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        bm.Size(iterations=1, seeds=1, per_iteration=1, group_size=1, probe_images=1,
+                pool_images=1, hard_images=1, eval_images=1)
 
 
-def test_arms_are_at_equal_budget_and_differ_only_where_meant(tmp_path):
-    splits = {"eval": "data/prompts/eval.jsonl"}
-    recipes = {a.name: bm.recipe_for(a, 1, bm.QUICK, splits, f"t-{a.name}", 1)
-               for a in bm.arms()}
+def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
+    recipes = {a.name: bm.recipe_for(a, 1, bm.QUICK, f"t-{a.name}", 1) for a in bm.arms()}
     bm.check_equal_budget(list(recipes.values()))
+    for r in recipes.values():
+        assert (r.prompts.train, r.prompts.selection) == (bm.POOL, "cycle")
+        assert (r.prompts.per_iteration, r.prompts.group_size) == (8, 16)
     assert (recipes["flowgrpo"].advantage.kind, recipes["flowgrpo"].window.mode) == (
         "scalar", "fixed")
-    assert recipes["cast"].advantage.kind == "spatial"
-    assert recipes["cast"].window.mode == "calibrated"
+    assert (recipes["cast"].advantage.kind, recipes["cast"].window.mode) == (
+        "spatial", "calibrated")
     assert recipes["cast-fixed-window"].window == recipes["flowgrpo"].window
-    assert recipes["cast-fixed-window"].advantage == recipes["cast"].advantage
     assert recipes["cast-no-map"].advantage.kind == "atom"
-    assert recipes["cast-no-map"].window == recipes["cast"].window
-    assert {r.run.seed for r in recipes.values()} == {1}
-    assert recipes["cast"].recast.weighting == "none"
-    for name, weighting in (("recast-equal", "recast"), ("static-skewed", "static"),
-                            ("recast-skewed", "recast")):
-        r = recipes[name]
-        assert r.recast.weighting == weighting, name
-        assert (r.advantage, r.window, r.train) == (recipes["cast"].advantage,
-                                                    recipes["cast"].window, recipes["cast"].train)
-    assert recipes["recast-equal"].recast.budget_map() == dict.fromkeys(bm.ATOM_TYPES, 1.0)
-    assert recipes["static-skewed"].recast.budget_map() == bm.SKEWED
-    assert recipes["recast-skewed"].recast == recipes["static-skewed"].recast.model_copy(
-        update={"weighting": "recast"})
-    assert [a.name for a in bm.arms("methods")] == [a.name for a in bm.arms()][:5]
     late = recipes["cast-late-window"]
     assert (late.window.mode, late.window.start, late.window.size) == ("fixed", 6, 3)
-    assert late.advantage == recipes["cast"].advantage
-    calibrated = recipes["flowgrpo-calibrated"]
-    assert calibrated.window == recipes["cast"].window
-    assert (calibrated.advantage, calibrated.train) == (recipes["flowgrpo"].advantage,
-                                                        recipes["flowgrpo"].train)
-    atom_fixed = recipes["cast-no-map-fixed-window"]
-    assert atom_fixed.window == recipes["flowgrpo"].window
-    assert (atom_fixed.advantage, atom_fixed.train) == (recipes["cast-no-map"].advantage,
-                                                        recipes["cast"].train)
-    names = {a.name for a in bm.arms()}
-    for arm, reference, _ in bm.ONE_CHANGE:  # every pair names two arms of the full suite
-        assert {arm, reference} <= names, (arm, reference)
     for name, overrides, _ in bm.FIXES:  # one change each to the cast arm
-        fixed = recipes[name]
-        assert fixed.window == recipes["cast"].window
         changed = {f"{sec}.{k}" for sec in ("advantage", "train")
-                   for k, v in getattr(fixed, sec).model_dump().items()
+                   for k, v in getattr(recipes[name], sec).model_dump().items()
                    if v != getattr(recipes["cast"], sec).model_dump()[k]}
         assert changed == set(overrides), name
-    with pytest.raises(ValueError, match="suite"):
-        bm.arms("recast")
-    assert [a.name for a in bm.select_arms("all", ["cast", "flowgrpo"])] == ["flowgrpo", "cast"]
-    for bad in (["cast"], ["flowgrpo", "nope"]):
-        with pytest.raises(ValueError, match="must name arms"):
-            bm.select_arms("all", bad)
-    probe = bm.recipe_for(bm.arms()[1], 1, bm.QUICK, splits, "t-probe", 1, lr=1e-2)
-    assert probe.train.lr == 1e-2 and recipes["cast"].train.lr != 1e-2
-    assert recipes["cast"].prompts.per_iteration == bm.QUICK.per_iteration
-    other = bm.recipe_for(bm.arms()[1], 2, bm.QUICK, splits, "t-other", 1)
+    for name, weighting in (("recast-equal", "recast"), ("static-skewed", "static"),
+                            ("recast-skewed", "recast")):
+        assert recipes[name].recast.weighting == weighting
+    assert recipes["static-skewed"].recast.budget_map() == bm.SKEWED
+    other = bm.recipe_for(bm.arms()[1], 2, bm.QUICK, "t-other", 1)
     with pytest.raises(ValueError, match="seed"):
         bm.check_equal_budget([recipes["cast"], other])
+    assert bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-lr", 1, lr=1e-2).train.lr == 1e-2
+
+
+def test_suites_and_arm_selection():
+    assert [a.name for a in bm.arms("main")] == ["flowgrpo", "cast"]
+    ablations = {a.name for a in bm.arms("ablations")}
+    for arm, reference, _ in bm.ONE_CHANGE:  # every pair names two arms of the ablations suite
+        assert {arm, reference} <= ablations, (arm, reference)
+    recast = {a.name for a in bm.arms("recast")}
+    assert {a for pair in bm.RECAST_PAIRS for a in pair} | {"flowgrpo"} == recast
+    assert all(a.name in {b.name for b in bm.arms()} for a in bm.arms("ablations"))
+    with pytest.raises(ValueError, match="suite"):
+        bm.arms("all")
+    picked = bm.select_arms("main", ["recast-equal", "flowgrpo"])  # any suite's arms
+    assert [a.name for a in picked] == ["flowgrpo", "recast-equal"]
+    for bad in (["cast"], ["flowgrpo", "nope"]):
+        with pytest.raises(ValueError, match="must name known arms"):
+            bm.select_arms("main", bad)
+
+
+def test_eval_passes_are_paired_across_arms_with_fresh_final_pool_noise():
+    size = bm.QUICK
+    passes = bm.eval_passes(size, {"hard": bm.HARD, "eval": bm.EVAL})
+    assert (passes["probe"].splits, passes["probe"].seed_offset) == ({"probe": bm.POOL}, 0)
+    assert (passes["pool"].splits, passes["pool"].seed_offset) == ({"pool": bm.POOL}, 1000)
+    assert (passes["hard"].splits, passes["eval"].splits) == ({"hard": bm.HARD},
+                                                              {"eval": bm.EVAL})
+    assert (passes["hard"].seed_offset, passes["eval"].images) == (0, size.eval_images)
+    assert passes["pool"].images == size.pool_images
+    recipes = [bm.recipe_for(a, 0, size, f"t-{a.name}", 1) for a in bm.arms("main")]
+    base = bm.recipe_for(bm.arms()[0], 0, size, "t-base", 1)
+    bm.check_paired_evals([base, *recipes], passes)
+    probe = bm.with_eval(recipes[1], passes["probe"])
+    assert (probe.eval.images_per_prompt, probe.eval.max_prompts) == (size.probe_images, None)
+    odd = recipes[1].model_copy(update={"eval": recipes[1].eval.model_copy(
+        update={"num_steps": 6})})
+    with pytest.raises(ValueError, match="not be paired"):
+        bm.check_paired_evals([base, odd], passes)
+
+
+# ---- summary and figures on synthetic results ----------------------------------------------
+
+
+def _results(size: bm.Size, curves: dict, finals: dict, prefix: str = "t") -> bm.Results:
+    """Results with probe mean scores curves[arm][seed] ([K + 1], index 0 the base), final
+    evaluation gains finals[arm][seed] on every split (each image's atoms all shifted), one
+    second per stage and 2 s per evaluation."""
+    splits, evals, scores, seconds = bm.FINAL_SPLITS, {}, {}, {}
+    base_atoms = [[[0.5, 0.4], [0.6, 0.5]], [[0.3, 0.7], [0.5, 0.5]]]  # [prompt][image][atom]
+
+    def add(run, k, split, shift):
+        s = _prompt_scores([[[a + shift for a in img] for img in p] for p in base_atoms])
+        scores[(run, k, split)] = s
+        c = bs.checkpoint_figures(s)
+        evals[(run, k, split)] = {"mean_score": c.mean_score.mean,
+                                  "strict_accuracy": c.strict_accuracy.mean, "hf_energy": 0.1}
+
+    base_run = f"{prefix}-base"
+    for split in splits:
+        add(base_run, -1, split, 0.0)
+    first = next(iter(curves.values()))[0][0]
+    evals[(base_run, -1, "probe")] = {"mean_score": first, "strict_accuracy": 0.0,
+                                      "hf_energy": 0.1}
+    for arm, per_seed in curves.items():
+        for x, curve in enumerate(per_seed):
+            run = bm.run_name(prefix, arm, x)
+            for k in range(size.iterations):
+                evals[(run, k, "probe")] = {"mean_score": curve[k + 1], "strict_accuracy": 0.0,
+                                            "hf_energy": 0.1}
+                seconds |= {(run, k, st): 1.0 for st in bm.ITERATION_STAGES}
+                seconds[(run, k, "eval:probe")] = 2.0
+            seconds |= {(run, -1, st): 1.0 for st in bm.RUN_STAGES}
+            seconds |= {(run, size.iterations - 1, f"eval:{p}"): 2.0 for p in bm.FINAL_SPLITS}
+            for split in splits:
+                add(run, size.iterations - 1, split, finals[arm][x])
+    return bm.Results(evals, seconds, scores, {}, {}, {}, {}, {}, {})
+
+
+SMALL = bm.Size(iterations=4, seeds=3, per_iteration=8, group_size=16, probe_images=4,
+                pool_images=2, hard_images=2, eval_images=2)
+
+
+def test_summary_curves_gains_efficiency_and_times():
+    curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3,
+              "cast": [[0.5, 0.6, 0.7, 0.72, 0.75], [0.5, 0.6, 0.7, 0.7, 0.7],
+                       [0.5, 0.6, 0.7, 0.74, 0.8]]}
+    finals = {"flowgrpo": [0.02, 0.03, 0.04], "cast": [0.08, 0.09, 0.10]}
+    res = _results(SMALL, curves, finals)
+    sm = bm.summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
+    assert sm.samples == [0, 128, 256, 384, 512]
+    assert sm.curve[("cast", "mean_score")][2] == curves["cast"][2]
+    assert sm.threshold == pytest.approx(0.7)
+    assert sm.to_threshold[("cast", 0)] == pytest.approx(256.0)
+    assert sm.to_threshold[("flowgrpo", 1)] == pytest.approx(512.0)
+    assert sm.crossing["cast"].value == pytest.approx(0.5)
+    assert sm.gains[("cast", "hard", "mean_score")] == pytest.approx(finals["cast"])
+    assert sm.gain[("cast", "pool", "mean_score")].mean == pytest.approx(0.09)
+    assert sm.diff[("cast", "eval", "mean_score")].mean == pytest.approx(0.06)
+    assert sm.ratio[("cast", "hard", "mean_score")].value == pytest.approx(3.0)
+    assert sm.seed_gain[("cast", 2, "pool", "mean_score")].mean == pytest.approx(0.10)
+    assert sm.wall["cast"][0] == pytest.approx([2 / 60, 6 / 60, 10 / 60, 14 / 60, 18 / 60])
+    # every stage of the run: 2 run-level + 4 x (4 stages + 2 s probe) + 3 x 2 s final
+    assert sm.minutes[("cast", 1)] == pytest.approx((2 + 4 * 6 + 6) / 60)
+    assert sm.stage_median[("cast", "iteration")] == 4.0
+    assert sm.time_ratio[("cast", "iteration")] == 1.0
+    one = bm.summarise(_results(replace_seeds(SMALL, 1), {a: c[:1] for a, c in curves.items()},
+                                finals), ["flowgrpo", "cast"], [0], "t", replace_seeds(SMALL, 1))
+    assert one.gain[("flowgrpo", "pool", "mean_score")].low == pytest.approx(0.02)  # prompt CI
+
+
+def replace_seeds(size: bm.Size, seeds: int) -> bm.Size:
+    from dataclasses import replace
+
+    return replace(size, seeds=seeds)
+
+
+def _setup(quick=False, skipped=0, wall_s=600.0):
+    return {"quick": quick, "skipped": skipped, "wall_s": wall_s}
+
+
+def test_figures_json_entries_and_met_logic():
+    curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3,
+              "cast": [[0.5, 0.6, 0.7, 0.72, 0.75]] * 3}
+    finals = {"flowgrpo": [0.11, 0.12, 0.13], "cast": [0.36, 0.37, 0.38]}
+    sm = bm.summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
+                      SMALL)
+    entries = {e["name"]: e for e in br.figures(sm, _setup())}
+    assert set(entries) == {"flowgrpo pool gain", "flowgrpo hard gain", "minutes per arm and seed",
+                            "cast / flowgrpo hard gain ratio",
+                            "cast / flowgrpo samples to threshold", "full benchmark wall minutes"}
+    for e in entries.values():
+        assert set(e) == {"name", "value", "low", "high", "goal", "met", "unit", "about"}
+    assert entries["flowgrpo pool gain"]["met"] is True  # 0.12 >= 0.10, interval above 0
+    assert entries["flowgrpo hard gain"]["met"] is True  # >= 0.03
+    assert entries["cast / flowgrpo hard gain ratio"]["value"] == pytest.approx(0.37 / 0.12)
+    assert entries["cast / flowgrpo hard gain ratio"]["met"] is True
+    assert entries["cast / flowgrpo samples to threshold"]["value"] == pytest.approx(0.5)
+    assert entries["cast / flowgrpo samples to threshold"]["met"] is True
+    assert entries["minutes per arm and seed"]["met"] is True
+    assert entries["full benchmark wall minutes"]["value"] == pytest.approx(10.0)
+    assert entries["full benchmark wall minutes"]["met"] is True
+    json.dumps(list(entries.values()))  # serialisable
+
+    # not met: small gains, slower cast; undecidable: flowgrpo does not gain, a resumed run
+    finals = {"flowgrpo": [0.05, 0.06, 0.04], "cast": [0.05, 0.06, 0.07]}
+    curves["cast"] = [[0.5, 0.52, 0.55, 0.6, 0.62]] * 3
+    sm = bm.summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
+                      SMALL)
+    entries = {e["name"]: e for e in br.figures(sm, _setup(quick=True, skipped=3,
+                                                           wall_s=1200))}
+    assert entries["flowgrpo pool gain"]["met"] is False
+    assert entries["cast / flowgrpo hard gain ratio"]["met"] is False  # 1.2 < 3
+    crossing = entries["cast / flowgrpo samples to threshold"]
+    assert crossing["value"] is None and crossing["met"] is False
+    assert "never reaches" in crossing["about"]
+    wall = entries["quick benchmark wall minutes"]
+    assert wall["met"] is None and "resumed" in wall["about"] and wall["goal"] == "<= 10"
+    finals["flowgrpo"] = [-0.01, -0.02, 0.0]
+    sm = bm.summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
+                      SMALL)
+    ratio = {e["name"]: e for e in br.figures(sm, _setup())}["cast / flowgrpo hard gain ratio"]
+    assert ratio["value"] is None and ratio["met"] is None and "<= 0" in ratio["about"]
+    only = bm.summarise(_results(SMALL, {"flowgrpo": curves["flowgrpo"]},
+                                 {"flowgrpo": finals["flowgrpo"]}), ["flowgrpo"], [0, 1, 2], "t",
+                        SMALL)
+    entries = {e["name"]: e for e in br.figures(only, _setup())}
+    assert entries["cast / flowgrpo hard gain ratio"]["met"] is None
+    assert "cast was not run" in entries["cast / flowgrpo hard gain ratio"]["about"]
 
 
 def test_one_change_is_the_paired_seed_difference():
-    keys = [(s, m) for s in bm.SPLITS for m, _ in bm.METRICS]
-    per_arm = {"flowgrpo": [0.10, 0.00, 0.05], "flowgrpo-calibrated": [0.13, 0.01, 0.09],
-               "cast": [0.02, 0.04, 0.03]}
-    improvement = {(a, s, m): v for a, v in per_arm.items() for s, m in keys}
-    sm = bm.Summary(improvement, {}, {}, {}, {}, {}, {}, {})
-    diffs = bm.one_change(sm, list(per_arm))
+    curves = {a: [[0.5, 0.6, 0.6, 0.6, 0.6]] * 3 for a in ("flowgrpo", "flowgrpo-calibrated",
+                                                             "cast")}
+    finals = {"flowgrpo": [0.10, 0.00, 0.05], "flowgrpo-calibrated": [0.13, 0.01, 0.09],
+              "cast": [0.02, 0.04, 0.03]}
+    sm = bm.summarise(_results(SMALL, curves, finals), list(finals), [0, 1, 2], "t", SMALL)
+    diffs = bm.one_change(sm, list(finals))
     assert {(a, r) for a, r, _, _ in diffs} == {("flowgrpo-calibrated", "flowgrpo"),
                                                ("cast", "flowgrpo")}
     d = diffs[("flowgrpo-calibrated", "flowgrpo", "hard", "mean_score")]
-    # differences 0.03, 0.01, 0.04: mean 0.08 / 3, s = sqrt(0.00023333), t_{0.975, 2} = 4.3027
-    half = 4.302653 * math.sqrt(((0.03 - 0.08 / 3) ** 2 + (0.01 - 0.08 / 3) ** 2
-                                 + (0.04 - 0.08 / 3) ** 2) / 2) / math.sqrt(3)
+    # differences 0.03, 0.01, 0.04: mean 0.08 / 3, t_{0.975, 2} = 4.3027
+    half = 4.302653 * statistics.stdev([0.03, 0.01, 0.04]) / math.sqrt(3)
     assert d.mean == pytest.approx(0.08 / 3)
-    assert (d.low, d.high) == (pytest.approx(0.08 / 3 - half, rel=1e-5),
-                               pytest.approx(0.08 / 3 + half, rel=1e-5))
-    assert diffs[("cast", "flowgrpo", "eval", "strict_accuracy")].mean == pytest.approx(
-        (-0.08 + 0.04 - 0.02) / 3)
-    text = bm.one_change_table(sm, list(per_arm))
+    assert (d.low, d.high) == (pytest.approx(0.08 / 3 - half, rel=1e-4),
+                               pytest.approx(0.08 / 3 + half, rel=1e-4))
+    text = br.one_change_table(sm)
     assert "flowgrpo-calibrated - flowgrpo" in text and "cast - flowgrpo" in text
     assert "cast - cast-no-map" not in text  # cast-no-map was not run
 
 
-def test_targets_are_read_off_the_summary():
-    keys = [(s, m) for s in bm.SPLITS for m, _ in bm.METRICS]
-    per_arm = {"flowgrpo": [0.01, 0.02, 0.03], "cast": [0.05, 0.07, 0.06]}
-    improvement = {(a, s, m): v for a, v in per_arm.items() for s, m in keys}
-    interval = {k: bm.t_interval(v) for k, v in improvement.items()}
-    ratio = {("cast", s, m): bm.ratio_bootstrap(per_arm["cast"], per_arm["flowgrpo"])
-             for s, m in keys}
-    fast = {("cast", "iteration"): 1.10}
-    text = bm.targets_text(bm.Summary(improvement, interval, ratio, {}, {}, {}, fast, {}),
-                           list(per_arm))
-    assert "ratio 3.00" in text and "target >= 3x met" in text  # 0.06 / 0.02
-    assert "outside the seed interval" in text  # differences 0.04, 0.05, 0.03
-    assert "<= 1.15 met" in text
-    per_arm["cast"] = [0.03, 0.01, 0.05]  # ratio 1.5, differences 0.02, -0.01, 0.02
-    improvement = {(a, s, m): v for a, v in per_arm.items() for s, m in keys}
-    ratio = {("cast", s, m): bm.ratio_bootstrap(per_arm["cast"], per_arm["flowgrpo"])
-             for s, m in keys}
-    slow = {("cast", "iteration"): 1.2}
-    text = bm.targets_text(bm.Summary(improvement, interval, ratio, {}, {}, {}, slow, {}),
-                           list(per_arm))
-    assert "target >= 3x NOT met" in text and "inside the seed interval" in text
-    assert "<= 1.15 NOT met" in text
-    assert "no verdict" in bm.targets_text(bm.Summary({}, {}, {}, {}, {}, {}, {}, {}),
-                                           ["flowgrpo"])
+# ---- the command ---------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_quick_command_at_a_tiny_size_writes_a_report_from_the_store(tmp_path, monkeypatch):
+def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
     monkeypatch.chdir(REPO)
-    size = bm.Size(iterations=1, seeds=2, eval_prompts=2, images_per_prompt=2, eval_every=1,
-                   per_iteration=2, group_size=2, calibration_prompts=2)
-    out = bm.run_benchmark(size, tmp_path / "store", tmp_path / "report", "tiny", threads=1)
+    size = bm.Size(iterations=2, seeds=2, per_iteration=4, group_size=2, probe_images=1,
+                   pool_images=2, hard_images=2, eval_images=2, held_out_prompts=3,
+                   calibration_prompts=2)
+    arms = ["flowgrpo", "cast", "cast-no-map", "recast-equal", "static-skewed", "recast-skewed"]
+    out = bm.run_benchmark(size, tmp_path / "store", tmp_path / "report", "tiny", threads=1,
+                           only=arms)
     report = (tmp_path / "report" / "report.md").read_text()
-    for name in ("improvements.png", "accuracy_by_iteration.png", "stage_times.png"):
-        assert (tmp_path / "report" / name).stat().st_size > 1000
+    for name in ("gains.png", "learning_curves.png", "stage_times.png", "grid-base-pool.png",
+                 "grid-cast-hard.png", "gains-recast-equal-it0.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 500, name
         assert f"]({name})" in report
-    arms = ("flowgrpo", "cast", "cast-fixed-window", "cast-no-map", "cast-late-window",
-            *(name for name, _, _ in bm.FIXES), "flowgrpo-calibrated", "cast-no-map-fixed-window",
-            "recast-equal", "static-skewed", "recast-skewed")
-    for arm in arms:
-        assert f"| {arm} |" in report
-    assert "## ReCAST" in report and "## Training diagnostics" in report
-    assert "## What was tried" in report and "## One change at a time" in report
-    assert "## Against the issue's targets" in report
-    assert "| window: calibrated, not hand-set (scalar reward) | flowgrpo-calibrated - flowgrpo |" \
-        in report
-    for arm in ("recast-equal", "recast-skewed"):
-        assert (tmp_path / "report" / f"gains-{arm}-it0.png").stat().st_size > 1000
+    for section in ("## Against the targets", "## Learning curves", "## Sample efficiency",
+                    "## Reward hacking", "## Training diagnostics", "## One change at a time",
+                    "## ReCAST", "## Checkpoints"):
+        assert section in report
+    entries = json.loads((tmp_path / "report" / "figures.json").read_text())
+    assert len(entries) == 6 and entries[-1]["name"] == "full benchmark wall minutes"
     from tasks.store import Store
 
     con = Store(tmp_path / "store").connect_readonly()
     try:
-        base, final = (con.execute(
-            "SELECT mean_score FROM evals WHERE run_id = $run AND iteration = $k AND "
-            "split = 'hard' AND group_kind = 'overall'", {"run": run, "k": k}).fetchone()[0]
-            for run, k in (("tiny-base", -1), ("tiny-cast-s1", 0)))
-        runs = {r[0] for r in con.execute("SELECT DISTINCT run_id FROM train_steps").fetchall()}
+        rows = con.execute(
+            "SELECT run_id, iteration, split, mean_score FROM evals WHERE group_kind = 'overall'"
+            " AND starts_with(run_id, 'tiny-')").fetchall()
+        prompts = con.execute("SELECT DISTINCT iteration, prompt_id FROM rollouts WHERE run_id = "
+                              "'tiny-cast-s0' ORDER BY ALL").fetchall()
     finally:
         con.close()
+    value = {(r, k, s): v for r, k, s, v in rows}
     sm = out["summary"]
-    assert sm.base[("hard", "mean_score")] == pytest.approx(base)
-    assert sm.improvement[("cast", "hard", "mean_score")][1] == pytest.approx(final - base)
-    assert runs == {f"tiny-{a}-s{x}" for a in arms for x in (0, 1)}
+    assert sm.curve[("cast", "mean_score")][1] == pytest.approx(
+        [value[("tiny-base", -1, "probe")], value[("tiny-cast-s1", 0, "probe")],
+         value[("tiny-cast-s1", 1, "probe")]])
+    assert sm.gains[("cast", "hard", "mean_score")][0] == pytest.approx(
+        value[("tiny-cast-s0", 1, "hard")] - value[("tiny-base", -1, "hard")])
+    assert {s for (r, _, s) in value if r == "tiny-base"} == {"probe", "pool", "hard", "eval"}
+    assert len(prompts) == 8 and len({p for _, p in prompts}) == 8  # the pool's first 8, cycled
     assert sm.time_ratio[("flowgrpo", "iteration")] == pytest.approx(1.0)
-    rs, imp = out["recast"], sm.improvement
-    assert rs.paired[("recast-skewed", "hard", "mean_score")].mean == pytest.approx(
-        np.mean(imp[("recast-skewed", "hard", "mean_score")])
-        - np.mean(imp[("static-skewed", "hard", "mean_score")]))
+    rs = out["recast"]
     weights = rs.weights["static-skewed"]
     assert weights["count"][0] == pytest.approx(2 * weights["object"][0])
