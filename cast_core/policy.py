@@ -413,3 +413,31 @@ def policy_update(
             if on_step is not None:
                 on_step(record)
     return records
+
+
+@torch.no_grad()
+def update_kl_nats(
+    backbone,
+    prompts: list[str],
+    rollout: Rollout,
+    spec: RolloutSpec,
+    max_samples: int = 64,
+    micro_batch: int = 16,
+) -> float:
+    """KL(rollout policy || current policy) in nats per sample and window step, summed over the
+    C h w dims (k3 of the summed log-ratio, ``loss.summed_kl``), on the first ``max_samples``
+    samples (prompts: one per rollout sample; the stored log-probs are the rollout policy's).
+    Called after an iteration's training it says how far the iteration moved the policy, which
+    the per-step ``policy_kl_nats`` cannot show for the last (or only) optimizer step."""
+    n = min(max_samples, rollout.latents.shape[0])
+    if n < 1 or micro_batch < 1:
+        raise ValueError(f"need max_samples >= 1 and micro_batch >= 1: got {max_samples}, "
+                         f"{micro_batch}")
+    channels = rollout.latents.shape[2]
+    new = []
+    for lo in range(0, n, micro_batch):
+        idx = list(range(lo, min(n, lo + micro_batch)))
+        cond, uncond = encode_conditioning(backbone, [prompts[i] for i in idx],
+                                           spec.guidance_scale)
+        new.append(replay_steps(backbone, cond, uncond, rollout.select(idx), spec).log_probs)
+    return float(summed_kl(torch.cat(new), rollout.log_probs[:n], channels).k3)

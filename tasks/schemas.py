@@ -35,7 +35,10 @@ them):
   show the old columns as well, null for newer files.
 - `checkpoints` is the one row per iteration, so it carries the iteration's diagnostics:
   `param_change_norm` = ||theta_after - theta_before||_2 of the LoRA parameters over the
-  iteration's training; `rollout_hf_energy` = mean high-frequency energy of the iteration's
+  iteration's training; `update_kl_nats` (version 3; null in older files) = KL(rollout policy ||
+  trained policy) per sample and window step in nats, summed over the C h w dims (k3 of the
+  summed log-ratio, replayed after the last optimizer step on up to 64 of the iteration's
+  samples): how far the whole iteration moved the policy; `rollout_hf_energy` = mean high-frequency energy of the iteration's
   rollout images; `constant_reward_alarm` and `alarm_reason` (null without an alarm): every group
   of some atom type had zero variance, or all scalar rewards were equal.
 - `evals.group_kind` is "overall" (group_name "all"), "tag", "atom_type" (images: those with at
@@ -124,14 +127,16 @@ _SPECS = (
            *_KEYS, ("reward", F64), ("scalar_advantage", F64), ("blob_index", I32),
            ("map_path", STR), ("map_hash", STR), ("map_h", I32), ("map_w", I32), ("mass", F64),
            ("coverage", F64)),
-    _table("checkpoints", 2,
+    _table("checkpoints", 3,
            "The LoRA policy and optimizer state after an iteration's training, with the "
-           "iteration's diagnostics: LoRA change norm, rollout HF energy, constant-reward alarm.",
+           "iteration's diagnostics: LoRA change norm, the update's KL in nats, rollout HF "
+           "energy, constant-reward alarm.",
            ("run_id", STR), ("iteration", I32), ("policy_hash", STR), ("lora_path", STR),
            ("optimizer_path", STR), ("optimizer_hash", STR), ("base_hash", STR),
            ("lora_rank", I32), ("lora_alpha", F64), ("optimizer_steps", I64),
-           ("param_change_norm", F64), ("rollout_hf_energy", F64),
-           ("constant_reward_alarm", BOOL), ("alarm_reason", STR, _NULL)),
+           ("param_change_norm", F64), ("update_kl_nats", F64, _NULL),
+           ("rollout_hf_energy", F64), ("constant_reward_alarm", BOOL),
+           ("alarm_reason", STR, _NULL)),
     _table("train_steps", 4,
            "One optimizer step (accumulated over micro-batches): samples used, loss and "
            "diagnostics (null when skipped; ratio mean and clip fraction also per window step), "

@@ -20,8 +20,10 @@ stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
   atom groups, and the wall seconds of this iteration's earlier stages;
 - the new LoRA weights and optimizer state (safetensors blobs) and a `checkpoints` row, which the
   next iteration's rollout and training start from, with the iteration's diagnostics
-  (`cast_core.diagnostics`): the norm of the LoRA change over this training, the mean
-  high-frequency energy of the rollout images, and the constant-reward alarm.
+  (`cast_core.diagnostics`): the norm of the LoRA change over this training, how far it moved
+  the policy (`update_kl_nats`: KL(rollout policy || trained policy) per sample and window step
+  in nats, replayed on up to 64 of the samples after the last step), the mean high-frequency
+  energy of the rollout images, and the constant-reward alarm.
 The first inner step must see ratio 1 (same weights as the rollout); when it does not, a warning
 with the figures is logged and the row keeps them. A constant-reward alarm (every group of an atom
 type tied, or all scalar rewards equal: no learning signal from that reward) is logged as a
@@ -46,7 +48,13 @@ from cast_core.diagnostics import (
     high_frequency_energy,
     param_change_norm,
 )
-from cast_core.policy import PolicyConfig, UpdateStep, linear_warmup_lr, policy_update
+from cast_core.policy import (
+    PolicyConfig,
+    UpdateStep,
+    linear_warmup_lr,
+    policy_update,
+    update_kl_nats,
+)
 from cast_core.recast_gains import ATOM_TYPES  # the order of compute_advantages' type_maps
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
@@ -227,6 +235,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                 backbone, optimizer, prompts, rollout, spec, adv[index], config,
                 shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration), on_step=show,
                 lr_for_step=lambda j: linear_warmup_lr(tr.lr, tr.warmup_steps, steps_before + j))
+        moved = update_kl_nats(backbone, prompts, rollout, spec, micro_batch=tr.micro_batch)
         first = updates[0]
         if first.first_ratio_ok is False:
             _logger().warning(
@@ -253,6 +262,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                       "lora_rank": tr.lora_rank, "lora_alpha": tr.lora_alpha,
                       "optimizer_steps": optimizer_steps,
                       "param_change_norm": param_change_norm(before, params),
+                      "update_kl_nats": moved,
                       "rollout_hf_energy": float(high_frequency_energy(images / 255.0).mean()),
                       "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason}
         return [store.write_table("train_steps", step_rows, part), lora_blob, opt_blob,

@@ -13,6 +13,7 @@ from cast_core.policy import (
     linear_warmup_lr,
     policy_update,
     reference_mode,
+    update_kl_nats,
 )
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.window import SdeWindow
@@ -326,3 +327,18 @@ def test_advantage_shape_is_checked():
         policy_update(
             model, torch.optim.SGD(lora, lr=0.0), PROMPTS, out, SPEC, torch.ones(4, 8, 8), config
         )
+
+
+def test_update_kl_is_zero_before_and_positive_after_an_update():
+    backbone = _model()
+    params = add_lora(backbone, rank=2, alpha=2.0)
+    spec, prompts = SPEC, PROMPTS
+    ro = rollout(backbone, prompts, SEEDS, spec)
+    assert update_kl_nats(backbone, prompts, ro, spec) == pytest.approx(0.0, abs=1e-4)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+    moved = update_kl_nats(backbone, prompts, ro, spec, max_samples=3, micro_batch=2)
+    assert moved > 1e-3
+    with pytest.raises(ValueError, match="max_samples"):
+        update_kl_nats(backbone, prompts, ro, spec, max_samples=0)
