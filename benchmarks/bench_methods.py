@@ -131,8 +131,10 @@ SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
 # gains peak at sigma 0.4-0.2, i.e. steps 6-8 of 10), instead of the calibrated [0, 3) / [1, 4).
 LATE_WINDOW = {"window.mode": "fixed", "window.start": 6, "window.size": 3}
 # Fixes the issue asks to try when CAST does not win (each one change to the cast arm).
-FIXES = (("cast-no-global", {"advantage.global_weight": 0.0},
-          "cast without the global term (pixels no atom covers get no credit)"),
+FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
+          "cast with per-atom z-scores (the paper's) instead of the pooled atom spread"),
+         ("cast-full-map", {"advantage.spatial_mix": 1.0},
+          "cast with all of each atom's credit through its heatmap (spatial_mix 1, the paper's)"),
          ("cast-std-floor", {"advantage.std_floor": 0.1},
           "cast with atom group std floored at 0.1 (near-tied atoms get small advantages)"),
          ("cast-tight-clip", {"train.clip_range": 0.01},

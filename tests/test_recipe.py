@@ -117,10 +117,10 @@ def test_derived_values():
     cast = load_recipe(RECIPES / "shapes-cast.toml").derived()
     b, g, micro = 16, 8, 16
     assert cast["samples_per_iteration"] == b * g
-    assert cast["optimizer_steps_per_iteration"] == 1  # steps_per_epoch 1 x inner_epochs 1
-    assert cast["samples_per_optimizer_step"] == b * g
-    assert cast["micro_batches_per_optimizer_step"] == b * g // micro
-    assert cast["lr_warmup"] == "none"
+    assert cast["optimizer_steps_per_iteration"] == 4  # steps_per_epoch 2 x inner_epochs 2
+    assert cast["samples_per_optimizer_step"] == b * g // 2
+    assert cast["micro_batches_per_optimizer_step"] == b * g // 2 // micro
+    assert cast["lr_warmup"] == "linear over the run's first 4 optimizer steps"
     assert cast["lora_scale"] == 8.0 / 8
     assert cast["run_id"] == "shapes-cast"
     assert cast["algorithm"].startswith("CAST")
@@ -241,7 +241,8 @@ def test_a_later_field_at_its_default_leaves_the_stage_keys_unchanged():
     import hashlib
     import json
 
-    recipe = load_recipe(RECIPES / "shapes-cast.toml")
+    defaults = {"advantage.atom_norm": "atom", "advantage.spatial_mix": 1.0}
+    recipe = load_recipe(RECIPES / "shapes-cast.toml", defaults)
     dump = recipe.model_dump(mode="json")["advantage"]
     assert dump["heatmap_norm"] == "mass"
     for field in type(recipe.advantage).hash_if_set:  # heatmap_norm and the later ones
@@ -249,5 +250,5 @@ def test_a_later_field_at_its_default_leaves_the_stage_keys_unchanged():
     before = hashlib.sha256(json.dumps({"advantage": dump}, sort_keys=True,
                                        separators=(",", ":")).encode()).hexdigest()
     assert recipe.section_hash("advantage") == before
-    peak = load_recipe(RECIPES / "shapes-cast.toml", {"advantage.heatmap_norm": "peak"})
+    peak = load_recipe(RECIPES / "shapes-cast.toml", {**defaults, "advantage.heatmap_norm": "peak"})
     assert peak.section_hash("advantage") != before
