@@ -421,10 +421,12 @@ GAINS_SQL = """
 SELECT run_id, iteration, any_value(plot_path) AS plot_path
 FROM recast_gains WHERE list_contains($runs, run_id) GROUP BY ALL"""
 # Per optimizer step, read when the column exists (train_steps gained and renamed columns over
-# time: approx_kl became ratio_k3; policy_kl_nats and ref_kl_nats are newer).
+# time: approx_kl became ratio_k3; policy_kl_nats and ref_kl_nats are newer); update_kl_nats is
+# per iteration, from checkpoints.
 DIAGNOSTIC_COLUMNS = (("clip_fraction", "clip fraction", ".4f"), ("ratio_k3", "ratio k3", ".2e"),
                       ("approx_kl", "approx KL (older name)", ".2e"),
                       ("policy_kl_nats", "policy KL (nats)", ".3g"),
+                      ("update_kl_nats", "KL moved an iteration (nats)", ".3g"),
                       ("ref_kl_nats", "ref KL (nats)", ".3g"),
                       ("ratio_std", "ratio std", ".4f"), ("grad_norm", "grad norm", ".4f"),
                       ("zero_variance_fraction", "zero-variance groups", ".3f"))
@@ -464,7 +466,14 @@ def _diagnostics(con, runs: list[str]) -> dict:
     skipped = "AND NOT skipped" if "skipped" in present else ""
     sql = (f"SELECT run_id, {''.join(f'avg({c}) AS {c}, ' for c in columns)}count(*) AS steps "
            f"FROM train_steps WHERE list_contains($runs, run_id) {skipped} GROUP BY ALL")
-    return {r["run_id"]: r for r in _rows(con, sql, runs)}
+    out = {r["run_id"]: r for r in _rows(con, sql, runs)}
+    # checkpoints.update_kl_nats (one per iteration: how far its training moved the policy)
+    if "update_kl_nats" in {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE "
+                                                      "checkpoints)").fetchall()}:
+        for r in _rows(con, "SELECT run_id, avg(update_kl_nats) AS update_kl_nats FROM "
+                       "checkpoints WHERE list_contains($runs, run_id) GROUP BY ALL", runs):
+            out.setdefault(r["run_id"], {"steps": 0})["update_kl_nats"] = r["update_kl_nats"]
+    return out
 
 
 def read_results(store, refs: dict, outputs: dict) -> Results:
