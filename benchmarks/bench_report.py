@@ -562,4 +562,12 @@ benchmark could not see learning. Figures below come from that protocol.
    iterations, 24 min): neither method improved the hard split (hard strict -0.029 / -0.018 at 4
    iterations, -0.039 / -0.031 at 12); every paired difference inside the seed interval; time per
    iteration cast / flowgrpo 0.99 and 1.14.
+7. **In-memory probes for issue 17** (2026-12-03, fifth base, one seed each; issue 17's note):
+   a 32-sample policy gradient is nearly pure noise (cosine between disjoint batches -0.05 to
+   +0.06 for every credit); a group sharing its starting noise aligns the scalar estimator with
+   the exact gradient 3.5x better (0.060 vs 0.017); per-atom z-scores turn near-ties into -3.9
+   advantages; at step 0 the SDE noise of one quadrant moves the other quadrants' colour as much,
+   in total, as its own (own share 46%, chance 25%). On this pool (8 prompts x 16 an iteration,
+   shared noise), lr 3e-3 with 4 steps an iteration made both methods' probe rise for ~600
+   samples and then fall below the base by 2048; lr 1e-3 with 2 steps was flat for 1024.
 """
