@@ -76,7 +76,10 @@ load, 50-200 s an iteration and 0.19-0.21 s an image (threads 1).
   eval 4 (828: +-0.014; with prompt clusters about +-0.029; 8 a prompt would reach +-0.010 from
   image noise for 71 s more per run, which the time budget does not hold). Estimate at the quiet
   figures: 2 + 16 x (17.5 + 11.0) + 3052 x 0.086 = 720 s = 12.0 min per arm and seed, the base
-  4.6 min, about 77 min for the 2 arms x 3 seeds; on a loaded machine up to twice that. Suite
+  4.6 min, about 77 min for the 2 arms x 3 seeds; on a loaded machine up to twice that.
+  Measured with the recipes' 2 inner epochs x 2 optimizer steps (2026-12-03, mostly quiet):
+  80.1 min wall, 12.5 min a run (10.4-15.3), an iteration 22.6 s (flowgrpo) / 23.8 s (cast),
+  the probe 8.2-8.7 s, the final pool / hard / eval 67 / 79 / 57 s. Suite
   ablations (11 arms) takes about 6.7 h, suite recast (5 arms) about 3.2 h.
 - QUICK: flowgrpo, 1 seed, 6 iterations, probe 4, final pool 8 images a prompt, hard and eval 2
   images on 64 evenly spaced prompts each: about 3.6 min for the run and 0.9 min for the base,
