@@ -1,6 +1,6 @@
 """Group-relative advantages per atom, DSG-style gating, pixel advantage maps, grid pooling.
 
-Variant: CAST atom advantages (DESIGN.md section 4) plus the Flow-GRPO scalar baseline.
+Variant: CAST atom advantages plus the Flow-GRPO scalar baseline.
 
 Atom advantage. Within the G samples of one prompt, each atom's score is centred on its group
 mean and divided by a scale, `atom_norm` "atom" (the CAST paper's per-atom z-score) or "pooled":
@@ -37,19 +37,19 @@ Pixel map, for one sample and its valid atoms a (heatmaps H_a >= 0 on an H x W g
     M(u)        = (1/|A_valid|) sum_a A_a [lam H~_a(u) + 1 - lam]
                   + global_weight * (1 - coverage(u)) * A_bar
     M(u)       <- clamp(M(u), -clip, clip);   mass = mean_u |M(u)|.
-`spatial_mix` lam in [0, 1] (ours; 1 = DESIGN.md's map) mixes each atom's heatmap with a uniform
+`spatial_mix` lam in [0, 1] (ours; 1 = the CAST paper's map) mixes each atom's heatmap with a uniform
 map of the same mean: lam = 0 gives the constant A_bar (no projection), and before the clamp the
 policy gradient is linear in M, so lam interpolates between the projected and the uniform credit.
 It exists because pixel credit assumes that an atom's outcome depends on the actions inside its
 region; on the shapes backbone the SDE noise of the first window steps moves the other quadrants'
 colour as much, in total, as its own (issue 17's locality probe), so lam < 1 hedges that bias.
-With `heatmap_norm = "peak"` (an option, not DESIGN.md's) H~_a = Hn_a: an atom's credit is at
+With `heatmap_norm = "peak"` (an option, not the paper's) H~_a = Hn_a: an atom's credit is at
 most A_a per pixel whatever its region's area, instead of being concentrated as A_a / area on a
 small region (the mass normalisation above, whose clamp then cuts small objects' credit).
 An all-zero heatmap is treated as uniform (H~ = 1 and coverage 1 everywhere): an atom the scorer
 could not ground credits the whole image. A sample with no valid atom gets M = 0. A uniform
 heatmap with one atom gives M = A_a exactly (Hn is exactly 1, so no rounding enters).
-Departures from DESIGN.md: we average over atoms (1/|A_valid|) instead of summing, so the map's
+Departures from the CAST paper's map: we average over atoms (1/|A_valid|) instead of summing, so the map's
 scale does not grow with the atom count (before the global term and the clamp the spatial mean of
 M is A_bar); the global term (pixels no atom covers still get the sample's overall credit) is ours.
 

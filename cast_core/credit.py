@@ -1,6 +1,6 @@
 """ReCAST: per-reward, per-step credit from discriminability gains, balanced by Sinkhorn.
 
-Variant: ReCAST (DESIGN.md section 4). Rewards k = 0..R-1, window steps t = 0..T-1 with t = 0
+Variant: ReCAST. Rewards k = 0..R-1, window steps t = 0..T-1 with t = 0
 the step at pure noise.
 
 1. Discriminability D[k, t] >= 0: how well reward k's statistic on x0_hat_t separates positive

@@ -1,6 +1,6 @@
 """ReCAST gain estimation: per-reward, per-step discriminability of positive vs policy samples.
 
-Variant: the gain estimate of ReCAST (DESIGN.md section 4); the weighting math (Renyi divergence,
+Variant: the gain estimate of ReCAST; the weighting math (Renyi divergence,
 gains, mean normalisation, Sinkhorn) is `cast_core.credit`, used here unchanged. Notation: R
 rewards k, S schedule steps t_0 = 1 > ... > t_{S-1} (the backbone's `sigmas(S)` without its final
 0), N samples, d_k the dimension of reward k's statistic.

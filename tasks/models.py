@@ -1,7 +1,7 @@
 """Loading what a recipe names: the backbone (with its LoRA policy), the scorer, the CSG builder;
 and the policy / optimizer state as tensors for safetensors blobs.
 
-The pipeline sees one protocol per kind (DESIGN.md section 5); this module is the only place that
+The pipeline sees one protocol per kind; this module is the only place that
 maps a recipe's `family` / `kind` strings to implementations, so adding a backbone or scorer is
 one entry here. Policy state: the LoRA parameters by name (the trainable parameters after
 `policy.add_lora`), and AdamW's moments per parameter index with its param groups as JSON

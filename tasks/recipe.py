@@ -179,7 +179,7 @@ class AdvantageSection(_Section):
     constant mean of its atoms' advantages, clamped to `clip`, trained through the spatial loss).
     `gate_by_parents`, `global_weight` and `clip` shape the atom kinds; `reward` and
     `scalar_mode` the scalar one; `std_floor` bounds every group std; `heatmap_norm` "mass"
-    (each heatmap rescaled to mean 1, DESIGN.md) or "peak" (to peak 1; `cast_core.advantage`);
+    (each heatmap rescaled to mean 1, the paper's) or "peak" (to peak 1; `cast_core.advantage`);
     `atom_norm` "atom" (per-atom z-score, the paper's) or "pooled" (each atom's deviation over
     the prompt's pooled atom spread, so nearly decided atoms get nearly no credit and the mean
     over atoms is Flow-GRPO's advantage up to a per-prompt factor); `spatial_mix` in [0, 1]: the

@@ -1,4 +1,4 @@
-"""The one backbone protocol the pipeline talks to (DESIGN.md section 5).
+"""The one backbone protocol the pipeline talks to.
 
 Every family (`shapes`, `flux2`, `qwen_image`) implements it; `cast_core.sampling`,
 `cast_core.rollout`, `cast_core.policy` and the calibration only use these members, so a pixel map
