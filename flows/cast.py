@@ -6,33 +6,55 @@ Deployed as `cast/train-iteration` (prefect.yaml). Every stage is a cached, resu
 iterations) run before training, which weights each atom type's share of the map per step.
 
     .venv/bin/python -m flows.cast --recipe data/recipes/shapes-cast.toml
+
+From the command line the recipe and its paths are checked, and a Prefect server is started, before
+the stages are imported (`flows.launch`): a bad recipe fails in about a second with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
+DEFAULT_RECIPE = "data/recipes/shapes-cast.toml"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flows.cast", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default=DEFAULT_RECIPE)
+    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--store", default=None)
+    p.add_argument("--iterations", type=int, default=1, help="run this many in a row")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="override a recipe field, e.g. --set prompts.per_iteration=4")
+    return p
+
+
+if __name__ == "__main__":  # before the slow imports below: see flows.launch
+    from flows.launch import launch
+
+    sys.exit(launch("flows.cast", parser().parse_args()))
+
+# The slow imports (torch, Prefect, the stages): the command line above runs before them.
 from prefect import flow
 
+from flows.preflight import checked_recipe
 from tasks.build_csgs import build_csgs_task
 from tasks.calibrate_window import calibrate_window_task
 from tasks.compute_advantages import compute_advantages_task
 from tasks.recast_gains import gains_for_training_task
-from tasks.recipe import load_recipe, parse_overrides
 from tasks.report import iteration_report_task, next_iteration_task, store_root
 from tasks.rollout_groups import rollout_task
 from tasks.score_atoms import score_atoms_task
 from tasks.store import Store
 from tasks.train_epoch import train_epoch_task
 
-DEFAULT_RECIPE = "data/recipes/shapes-cast.toml"
-
 
 @flow(name="cast", log_prints=True)
 def cast(recipe: str = DEFAULT_RECIPE, iteration: int | None = None, store: str | None = None,
          overrides: dict | None = None) -> dict:
-    r = load_recipe(recipe, overrides)
+    r = checked_recipe(recipe, overrides, store_root(store))
     print(f"recipe {recipe}: " + json.dumps(r.derived(), indent=1))
     st = Store(store_root(store))
     csgs = build_csgs_task(st, r)
@@ -46,20 +68,14 @@ def cast(recipe: str = DEFAULT_RECIPE, iteration: int | None = None, store: str 
     return iteration_report_task(st, r, k)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
-    parser.add_argument("--iteration", type=int, default=None)
-    parser.add_argument("--store", default=None)
-    parser.add_argument("--iterations", type=int, default=1, help="run this many in a row")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                        help="override a recipe field, e.g. --set prompts.per_iteration=4")
-    args = parser.parse_args(argv)
-    overrides = parse_overrides(args.set)
+def run(args: argparse.Namespace, overrides: dict | None) -> None:
+    """The command line's flow calls (`flows.launch` has checked the recipe and set the API)."""
     for _ in range(args.iterations):
-        cast(recipe=args.recipe, iteration=args.iteration, store=args.store,
-             overrides=overrides or None)
+        cast(recipe=args.recipe, iteration=args.iteration, store=args.store, overrides=overrides)
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.cast` from Python: the same checks, server and runs."""
+    from flows.launch import launch
+
+    return launch("flows.cast", parser().parse_args(argv))

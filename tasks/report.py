@@ -4,15 +4,14 @@ where results are)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from prefect import task
 
+from tasks.locations import store_root
 from tasks.recipe import Recipe
 from tasks.store import Store
 
-DEFAULT_STORE = "runs/store"
+__all__ = ["iteration_report", "iteration_report_task", "next_iteration", "next_iteration_task",
+           "store_root"]
 
 ITERATION_QUERY = """
 SELECT atom_type,
@@ -23,11 +22,6 @@ FROM atom_scores
 WHERE run_id = $run_id AND iteration = $iteration
 GROUP BY atom_type ORDER BY atom_type
 """
-
-
-def store_root(store: str | None) -> Path:
-    """The store root: the argument, else $CAST_STORE, else runs/store (relative to the cwd)."""
-    return Path(store or os.environ.get("CAST_STORE") or DEFAULT_STORE)
 
 
 def next_iteration(store: Store, recipe: Recipe) -> int:

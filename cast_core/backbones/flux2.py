@@ -56,6 +56,7 @@ from cast_core.backbones.flux2_text import (
     cached_embeddings,
     encode_with_pipeline,
 )
+from cast_core.backbones.source import require_source
 
 GuidanceKind = Literal["embedded", "cfg", "none"]
 PIPELINE_VARIANTS: dict[str, Flux2Variant] = {"Flux2Pipeline": "dev", "Flux2KleinPipeline": "klein"}
@@ -185,6 +186,7 @@ class Flux2Backbone(torch.nn.Module):
                         text_batch_size: int = 8) -> Flux2Backbone:
         """Load the components of a Flux2Pipeline / Flux2KleinPipeline folder or hub id."""
         source = str(path_or_hub_id)
+        require_source(source, "path_or_hub_id")
         index = Flux2Pipeline.load_config(source)
         variant = PIPELINE_VARIANTS.get(index.get("_class_name"))
         if variant is None:

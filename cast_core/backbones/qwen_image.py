@@ -61,6 +61,7 @@ from cast_core.backbones.qwen_image_text import (
     encode_one,
     template_prefix_length,
 )
+from cast_core.backbones.source import require_source
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class QwenImageBackbone(torch.nn.Module):
                         vae_batch: int = 4) -> QwenImageBackbone:
         """Load a QwenImagePipeline folder or hub id (weights in torch_dtype), in eval mode."""
         src = str(path_or_hub_id)
+        require_source(src, "path_or_hub_id")
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             src, subfolder="text_encoder", dtype=torch_dtype)
         vae = AutoencoderKLQwenImage.from_pretrained(src, subfolder="vae", torch_dtype=torch_dtype)

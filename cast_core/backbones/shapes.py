@@ -25,6 +25,7 @@ from diffusers import SD3Transformer2DModel
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
+from cast_core.backbones.source import require_source
 from cast_core.shapes.world import COLORS, COUNT_WORDS, IMAGE_SIZE, SHAPES
 
 BACKBONE_FILE = "cast_backbone.json"
@@ -180,9 +181,8 @@ class ShapesBackbone(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ShapesBackbone:
+        require_source(str(path), "path", marker=BACKBONE_FILE, hub_allowed=False)
         path = Path(path)
-        if not (path / BACKBONE_FILE).exists():
-            raise FileNotFoundError(f"{path} is not a shapes backbone folder: no {BACKBONE_FILE}")
         meta = json.loads((path / BACKBONE_FILE).read_text())
         if meta.pop("family") != cls.family:
             raise ValueError(f"{path} holds a different backbone family; expected {cls.family!r}")
