@@ -3,8 +3,10 @@
 `RemoteScorer(url)` has the scorer protocol's call signature, `score(images, graphs) -> [(scores
 [A], heatmaps [A, h, w])]`, and forwards each call to a `cast_core.scorers.service` process (one
 model on its own GPUs, many pipeline workers). At construction it asks the service's `/health`
-for its scorer id and protocol version and refuses a service that is unreachable or speaks
-another protocol. `self_test` catches a broken or stub scorer before a run trusts it.
+for its scorer id, protocol version and cap on images per request, and refuses a service that is
+unreachable or speaks another protocol; `score` splits a batch larger than the cap into requests
+of at most the cap (a service that states no cap gets the whole batch). `self_test` catches a
+broken or stub scorer before a run trusts it.
 
 Wire format (protocol 1; no pickle anywhere). Both bodies are one safetensors blob:
 - POST /score request: tensor "images" [N, 3, H, W], uint8 (value * 255) when that is lossless
@@ -12,8 +14,11 @@ Wire format (protocol 1; no pickle anywhere). Both bodies are one safetensors bl
   "protocol_version" and "graphs", a JSON list of N `SceneGraph.to_dict()`.
 - 200 response: tensors "scores.{i}" float32 [A_i] and "heatmaps.{i}" float32 [A_i, h, w] for
   each image i, atoms in `graph.atoms()` order; metadata "protocol_version", "scorer_id", "count".
-- Errors: JSON {"error": message}; 4xx is the request's fault (not retried), 5xx the service's
-  (retried with backoff, as are refused or dropped connections).
+- GET /health: JSON {"status", "scorer_id", "protocol_version", "cast_version",
+  "max_images_per_request"}.
+- Errors: JSON {"error": message}; 4xx is the request's fault (not retried; 413 for a body over the
+  byte limit or more images than the cap), 5xx the service's (retried with backoff, as are refused
+  or dropped connections).
 So the service reproduces a local scorer's output bit for bit on pipeline images.
 
 Timeouts: each attempt waits at most `timeout_s`; a read timeout is not retried (the service
@@ -54,6 +59,18 @@ def _metadata(blob: bytes) -> dict[str, str]:
     8-byte little-endian length followed by that many bytes of JSON)."""
     size = int.from_bytes(blob[:8], "little")
     return json.loads(blob[8 : 8 + size]).get("__metadata__") or {}
+
+
+def request_image_count(blob: bytes) -> int | None:
+    """N of a request body's "images" [N, ...], read from the safetensors header alone (so a
+    service can refuse an oversized batch before decoding it); None when the header does not
+    say (`decode_request` then names what is wrong)."""
+    try:
+        size = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8 : 8 + size])
+        return int(header["images"]["shape"][0])
+    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def _load(blob: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -177,12 +194,13 @@ class RemoteScorer:
             url.rstrip("/"), timeout_s, retries, backoff_s)
         self._client = httpx.Client(timeout=timeout_s)
         try:
-            self.scorer_id = self._check_health()
+            self.scorer_id, self.max_images = self._check_health()
         except BaseException:
             self._client.close()
             raise
 
-    def _check_health(self) -> str:
+    def _check_health(self) -> tuple[str, int | None]:
+        """(scorer id, cap on images per request or None) from the service's /health."""
         response = self._request("GET", "/health")
         try:
             health = response.json()
@@ -199,7 +217,10 @@ class RemoteScorer:
                 "run the same cast version on both sides")
         if not isinstance(health.get("scorer_id"), str):
             raise RemoteScorerError(f"{self.url}/health gave no scorer_id: {health}")
-        return health["scorer_id"]
+        cap = health.get("max_images_per_request")
+        if cap is not None and not (isinstance(cap, int) and cap >= 1):
+            raise RemoteScorerError(f"{self.url}/health gave a bad max_images_per_request: {cap!r}")
+        return health["scorer_id"], cap
 
     def _request(self, method: str, path: str, content: bytes | None = None) -> httpx.Response:
         """One call with retries; returns any response below 500."""
@@ -228,6 +249,12 @@ class RemoteScorer:
         if len(images) != len(graphs):
             raise ValueError(f"one graph per image: got {len(images)} images, {len(graphs)} "
                              "graphs")
+        step = self.max_images or len(graphs)
+        return [result for lo in range(0, len(graphs), step)
+                for result in self._score_one(images[lo : lo + step], graphs[lo : lo + step])]
+
+    def _score_one(self, images: torch.Tensor, graphs: list[SceneGraph]):
+        """One POST /score of at most the service's cap of images."""
         response = self._request("POST", "/score", encode_request(images, graphs))
         if response.status_code != 200:
             raise RemoteScorerError(f"{self.url}/score rejected the request (HTTP "

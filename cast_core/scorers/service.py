@@ -4,11 +4,13 @@
     python -m cast_core.scorers.service --scorer soft-tifa --model PATH --device cuda
 
 A Starlette app served by uvicorn. GET /health -> {"status": "ok", "scorer_id", "protocol_version",
-"cast_version"}; POST /score takes and returns safetensors bodies (wire format in
-`cast_core.scorers.remote`, whose `RemoteScorer` is the client). Requests are validated before the
-model sees them (400 naming what is wrong; 413 past `max_body_bytes`); scorer calls run one at a
-time under a lock in a worker thread, so /health answers while a batch is scored; an exception
-in the scorer is a 500 carrying its text.
+"cast_version", "max_images_per_request"}; POST /score takes and returns safetensors bodies (wire
+format in `cast_core.scorers.remote`, whose `RemoteScorer` is the client and splits its batches to
+the cap). Requests are validated before the model sees them (400 naming what is wrong; 413 past
+`max_body_bytes`, or with more than `max_images` images, counted from the body's header before it
+is decoded); scorer calls run one at a time under a lock in a worker thread, so /health answers
+while a batch is scored, and the cap bounds how long one request holds the lock (a single
+8000-image request held it for 41 s); an exception in the scorer is a 500 carrying its text.
 
 `make_app(scorer, scorer_id)` serves any scorer object (a `score(images, graphs)` method, or a
 plain callable); `SCORERS` maps a CLI name to a factory, so adding a scorer is one entry there.
@@ -39,9 +41,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cast_core.scorers.remote import PROTOCOL_VERSION, WireError, decode_request, encode_response
+from cast_core.scorers.remote import (
+    PROTOCOL_VERSION,
+    WireError,
+    decode_request,
+    encode_response,
+    request_image_count,
+)
 
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
+DEFAULT_MAX_IMAGES = 256
 _log = logging.getLogger(__name__)
 
 
@@ -107,11 +116,15 @@ def cast_version() -> str:
         return "unknown"
 
 
-def make_app(scorer, scorer_id: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The HTTP app serving `scorer`: an object with `score(images, graphs)`, or that callable."""
+def make_app(scorer, scorer_id: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+             max_images: int = DEFAULT_MAX_IMAGES) -> Starlette:
+    """The HTTP app serving `scorer`: an object with `score(images, graphs)`, or that callable;
+    at most `max_images` images per request."""
     score = getattr(scorer, "score", scorer)
     if not callable(score):
         raise TypeError(f"scorer must have score(images, graphs) or be callable; got {scorer!r}")
+    if max_images < 1:
+        raise ValueError(f"max_images must be >= 1; got {max_images}")
     lock = threading.Lock()
 
     def score_locked(images: torch.Tensor, graphs) -> bytes:
@@ -123,13 +136,20 @@ def make_app(scorer, scorer_id: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "scorer_id": scorer_id,
-                             "protocol_version": PROTOCOL_VERSION, "cast_version": cast_version()})
+                             "protocol_version": PROTOCOL_VERSION, "cast_version": cast_version(),
+                             "max_images_per_request": max_images})
 
     async def score_endpoint(request: Request) -> Response:
         body = await _read_body(request, max_body_bytes)
         if isinstance(body, Response):
             return body
         try:
+            count = request_image_count(body)
+            if count is not None and count > max_images:
+                return _error(413, f"{count} images in one request; this service takes at most "
+                                   f"{max_images} per request (max_images_per_request in GET "
+                                   f"/health): send batches of at most {max_images}, or restart "
+                                   f"the service with a larger --max-images")
             images, graphs = decode_request(body)
         except WireError as err:
             return _error(400, str(err))
@@ -205,20 +225,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20)
+    p.add_argument("--max-images", type=int, default=DEFAULT_MAX_IMAGES,
+                   help="most images per request, stated in GET /health (bounds how long one "
+                        "request holds the model)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.max_images < 1:
+        print(f"scorer service: --max-images must be 1 or more; got {args.max_images}",
+              file=sys.stderr)
+        return 2
     try:
         loaded = load_scorer(args.scorer, ScorerArgs(args.model, args.device, args.dtype))
     except (ValueError, OSError, ImportError) as err:
         print(f"scorer service: {err}", file=sys.stderr)
         return 2
-    app = make_app(loaded.score, loaded.scorer_id, int(args.max_body_mb * 2**20))
+    app = make_app(loaded.score, loaded.scorer_id, int(args.max_body_mb * 2**20),
+                   args.max_images)
     sock = _bind(args.host, args.port)
-    print(f"serving {loaded.scorer_id} at {_url(sock)} (GET /health, POST /score); Ctrl-C stops",
-          flush=True)
+    print(f"serving {loaded.scorer_id} at {_url(sock)} (GET /health, POST /score, at most "
+          f"{args.max_images} images a request); Ctrl-C stops", flush=True)
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="off")).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the signal
