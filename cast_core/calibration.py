@@ -23,6 +23,7 @@ shown is the population std over prompts (0 for one prompt, never NaN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,8 @@ class Calibration:
 
 @torch.no_grad()
 def _chunk_curves(backbone, embedder, prompts: list[str], seeds: list[int], sigmas: Tensor,
-                  guidance_scale: float) -> Tensor:
-    """Curves [n, S] float64 for one chunk of n prompts."""
+                  guidance_scale: float, progress: Callable[[int], object]) -> Tensor:
+    """Curves [n, S] float64 for one chunk of n prompts; `progress(1)` after each step."""
     cond, uncond = encode_conditioning(backbone, prompts, guidance_scale)
     x = backbone.initial_noise(seeds)  # [n, C, h, w]
     estimates = []
@@ -71,18 +72,22 @@ def _chunk_curves(backbone, embedder, prompts: list[str], seeds: list[int], sigm
         x0_hat = tweedie_x0(step.x_t, step.v, step.t)
         estimates.append(embedder.embed(backbone.decode(x0_hat)))  # [n, D]
         x = ode_step(step.x_t, step.v, step.t, step.t_next)
+        progress(1)
     e_final = embedder.embed(backbone.decode(x))  # [n, D]
     return torch.stack([cosine_similarity(e_k, e_final) for e_k in estimates], dim=1).cpu()
 
 
 def similarity_curves(backbone, embedder, prompts: list[str], seeds: list[int], num_steps: int,
-                      guidance_scale: float, chunk_size: int = 64) -> SimilarityCurves:
+                      guidance_scale: float, chunk_size: int = 64,
+                      progress: Callable[[int], object] | None = None) -> SimilarityCurves:
     """Tweedie similarity curves of P prompts over S = num_steps ODE steps (module docstring).
 
     backbone: the protocol of ``cast_core.backbones`` (encode_prompts, initial_noise, velocity,
     sigmas, decode); embedder: anything with ``embed(images [N, 3, H, W] in [0, 1]) -> [N, D]``.
     Work runs in chunks of ``chunk_size`` prompts; seeds are per prompt, so chunking does not
-    change a curve. Returns SimilarityCurves(curves [P, S], sigmas [S]).
+    change a curve. `progress`, when given, is called with 1 after each ODE step of each chunk:
+    ceil(P / chunk_size) x num_steps calls (for the caller's progress bar). Returns
+    SimilarityCurves(curves [P, S], sigmas [S]).
     """
     if len(prompts) != len(seeds) or not prompts:
         raise ValueError(
@@ -99,7 +104,7 @@ def similarity_curves(backbone, embedder, prompts: list[str], seeds: list[int], 
         )
     chunks = [
         _chunk_curves(backbone, embedder, prompts[lo:lo + chunk_size], seeds[lo:lo + chunk_size],
-                      sigmas, guidance_scale)
+                      sigmas, guidance_scale, progress or (lambda steps: None))
         for lo in range(0, len(prompts), chunk_size)
     ]
     return SimilarityCurves(curves=torch.cat(chunks), sigmas=sigmas[:-1].double().cpu())

@@ -26,7 +26,7 @@ shuffling of steps here; which steps and samples to replay is the caller's choic
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -156,9 +156,13 @@ def _check_pairs(prompts: list[str], seeds: Sequence[int]) -> None:
         )
 
 
+def _no_progress(steps: int) -> None:
+    """The default `progress` callback: nothing."""
+
+
 @torch.no_grad()
 def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: RolloutSpec,
-                   noise_seeds: list[int]) -> Rollout:
+                   noise_seeds: list[int], progress: Callable[[int], object]) -> Rollout:
     device = next(backbone.transformer.parameters()).device
     sigmas = backbone.sigmas(spec.num_steps)
     cond, uncond = encode_conditioning(backbone, prompts, spec.guidance_scale)
@@ -167,6 +171,7 @@ def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: Rollout
     for k in range(spec.num_steps):
         t, t_next = float(sigmas[k]), float(sigmas[k + 1])
         v = _velocity(backbone, x, t, cond, uncond, spec)
+        progress(1)
         if k not in spec.window.steps:
             x = ode_step(x, v, t, t_next)
             continue
@@ -189,12 +194,14 @@ def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: Rollout
 
 def rollout(
     backbone, prompts: list[str], seeds: Sequence[int], spec: RolloutSpec, chunk_size: int = 64,
-    noise_seeds: Sequence[int] | None = None,
+    noise_seeds: Sequence[int] | None = None, progress: Callable[[int], object] | None = None,
 ) -> Rollout:
     """Sample N = len(prompts) (prompt, seed) pairs, storing the window steps. See ``Rollout``.
 
     Chunks of `chunk_size` samples run at once; the random draws do not depend on the chunking
-    (outputs agree across chunkings up to the rounding of batched kernels).
+    (outputs agree across chunkings up to the rounding of batched kernels). `progress`, when
+    given, is called with 1 after each step's velocity of each chunk: ceil(N / chunk_size) x
+    num_steps calls (the caller draws a progress bar; this module never prints).
     """
     _check_pairs(prompts, seeds)
     if chunk_size < 1:
@@ -208,7 +215,7 @@ def rollout(
     noise_seeds = [int(s) for s in noise_seeds]
     parts = [
         _rollout_chunk(backbone, prompts[lo : lo + chunk_size], seeds[lo : lo + chunk_size], spec,
-                       noise_seeds[lo : lo + chunk_size])
+                       noise_seeds[lo : lo + chunk_size], progress or _no_progress)
         for lo in range(0, len(prompts), chunk_size)
     ]
     return Rollout(

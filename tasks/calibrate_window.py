@@ -4,7 +4,8 @@ mode "calibrated": P prompts (evenly spaced through `window.calibration_file`, d
 set), one content-derived seed each, run the base model's ODE sampler at the recipe's steps and CFG;
 curves of cos(e(x0_hat_k), e(x_final)) with the recipe's image embedder (`shapes-layout-v1` for the
 shapes world, CLIP for the real backbones; `image_embedder`) -> `cast_core.calibration.calibrate_window`.
-Writes `calibration_curves` (mean/std per step), `windows` (one row) and a PNG plot blob.
+Writes `calibration_curves` (mean/std per step), `windows` (one row) and a PNG plot blob; a
+progress bar counts the ODE steps (`tasks.progress`).
 mode "fixed": writes only the `windows` row (method "fixed", formation_step = window_end - 1).
 
 Run-level (iteration -1); cached on the base weights' hash, the sampling and window sections, the
@@ -19,6 +20,7 @@ from cast_core.calibration import calibrate_window as calibrate
 from cast_core.calibration import plot_calibration, similarity_curves
 from cast_core.window import fixed_window
 from tasks.models import base_hash, load_base, set_threads
+from tasks.progress import stage_progress
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
@@ -87,8 +89,11 @@ def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
         prompts = [r["prompt"] for r in picks]
         seeds = [derive_seed(recipe.run.seed, "calibrate", prompt_id(p)) for p in prompts]
         embedder = image_embedder(recipe)
-        curves = similarity_curves(load_base(recipe), embedder, prompts, seeds, s.num_steps,
-                                   s.guidance_scale, chunk_size=s.chunk_size)
+        with stage_progress(-(-len(prompts) // s.chunk_size) * s.num_steps,
+                            f"window calibration ({len(prompts)} prompts)") as advance:
+            curves = similarity_curves(load_base(recipe), embedder, prompts, seeds, s.num_steps,
+                                       s.guidance_scale, chunk_size=s.chunk_size,
+                                       progress=advance)
         result = calibrate(curves.curves, s.num_steps, w.size, method=w.method,
                            threshold=w.threshold)
         plot = store.put_blob(plot_calibration(result, curves.sigmas,

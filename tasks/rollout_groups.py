@@ -13,7 +13,7 @@ initial noise of every sample of a prompt comes from derive_seed(run seed, itera
 "initial-noise") instead (the SDE noise still from the sample's own seed). Blobs (content-addressed): `window
 steps` safetensors {x0, latents, next_latents, log_probs, t, t_next} with sample i at row i,
 `images` safetensors uint8 [N, 3, H, W] (row `blob_index` of each rollouts row), and a PNG contact
-sheet (one row per prompt).
+sheet (one row per prompt). A progress bar counts the denoising steps (`tasks.progress`).
 
 Cached on the policy hash, the window row, the chosen prompts and the sampling section.
 """
@@ -32,6 +32,7 @@ from cast_core.window import SdeWindow
 from tasks.calibrate_window import read_window
 from tasks.models import load_policy, set_threads
 from tasks.policy_state import policy_for
+from tasks.progress import stage_progress
 from tasks.recipe import Recipe
 from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
 from tasks.store import Store
@@ -130,8 +131,11 @@ def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRe
                  for p in picks for j in range(g)]
         noise_seeds = ([derive_seed(recipe.run.seed, iteration, p["prompt_id"], "initial-noise")
                         for p in picks for _ in range(g)] if recipe.sampling.shared_noise else None)
-        result = rollout(backbone, prompts, seeds, spec, chunk_size=recipe.sampling.chunk_size,
-                         noise_seeds=noise_seeds)
+        chunk = recipe.sampling.chunk_size
+        with stage_progress(-(-len(prompts) // chunk) * spec.num_steps,
+                            f"rollout {iteration} ({len(prompts)} samples)") as advance:
+            result = rollout(backbone, prompts, seeds, spec, chunk_size=chunk,
+                             noise_seeds=noise_seeds, progress=advance)
         images = _decode_uint8(backbone, result.x0, recipe.sampling.chunk_size)  # [N, 3, H, W]
         steps = store.put_tensors({"x0": result.x0, "latents": result.latents,
                                    "next_latents": result.next_latents,
