@@ -1,17 +1,33 @@
 """Small tasks around the stages: which iteration is next, and the end-of-iteration report
 (refresh the DuckDB catalog, query this iteration's atom scores and training diagnostics, print
-where results are)."""
+where results are).
+
+The report also draws the iteration's labelled rollout contact sheet (`tasks.contact_sheet`: the
+prompt above each row, each sample's mean atom score under it) and copies the run's window
+calibration plot, both into `<store>/reports/<run>/` (`report_paths`), and inside a Prefect run
+attaches both as image artifacts, so they show in the UI.
+"""
 
 from __future__ import annotations
 
+import base64
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
 from prefect import task
 
+from tasks.contact_sheet import SheetRow, labelled_sheet
 from tasks.locations import store_root
 from tasks.recipe import Recipe
 from tasks.store import Store
 
 __all__ = ["iteration_report", "iteration_report_task", "next_iteration", "next_iteration_task",
-           "store_root"]
+           "report_paths", "store_root"]
 
 ITERATION_QUERY = """
 SELECT atom_type,
@@ -22,6 +38,32 @@ FROM atom_scores
 WHERE run_id = $run_id AND iteration = $iteration
 GROUP BY atom_type ORDER BY atom_type
 """
+
+# one row per rollout sample, in rollout order: its image, its prompt, its mean atom score
+SHEET_QUERY = """
+SELECT r.blob_index, r.image_path, r.prompt_id, c.prompt, avg(s.score)::DOUBLE AS mean_score
+FROM rollouts r
+JOIN (SELECT DISTINCT run_id, prompt_id, prompt FROM csgs) c USING (run_id, prompt_id)
+LEFT JOIN atom_scores s ON s.run_id = r.run_id AND s.iteration = r.iteration
+     AND s.prompt_id = r.prompt_id AND s.sample_index = r.sample_index
+WHERE r.run_id = $run_id AND r.iteration = $iteration
+GROUP BY ALL ORDER BY r.blob_index
+"""
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Where the report puts an iteration's pictures: the labelled rollout contact sheet and the
+    copy of the run's window calibration plot."""
+
+    rollout_sheet: Path
+    calibration_plot: Path
+
+
+def report_paths(store: Store, run_id: str, iteration: int) -> ReportPaths:
+    folder = store.root / "reports" / run_id
+    return ReportPaths(folder / f"iteration-{iteration:05d}-rollouts.png",
+                       folder / "window-calibration.png")
 
 
 def next_iteration(store: Store, recipe: Recipe) -> int:
@@ -35,36 +77,97 @@ def format_rows(columns: list[str], rows: list[tuple]) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+    return path
+
+
+def rollout_sheet(store: Store, con: duckdb.DuckDBPyConnection, run_id: str,
+                  iteration: int) -> bytes | None:
+    """The iteration's labelled contact sheet (PNG), or None when it has no rollouts."""
+    samples = con.execute(SHEET_QUERY, {"run_id": run_id, "iteration": iteration}).fetchall()
+    if not samples:
+        return None
+    images = {path: store.get_tensors(path)["images"].numpy()  # uint8 [N, 3, H, W]
+              for path in {s[1] for s in samples}}
+    rows: dict[str, tuple[str, list, list]] = {}
+    for index, path, prompt_id, prompt, score in samples:
+        _, pictures, scores = rows.setdefault(prompt_id, (prompt, [], []))
+        pictures.append(images[path][index])
+        scores.append(math.nan if score is None else score)
+    sheet_rows = [SheetRow(p, np.stack(pics), s) for p, pics, s in rows.values()]
+    return labelled_sheet(sheet_rows, f"{run_id}, iteration {iteration}: rollouts, mean atom "
+                                      f"score under each image")
+
+
+def _calibration_plot(store: Store, con: duckdb.DuckDBPyConnection, run_id: str) -> bytes | None:
+    row = con.execute("SELECT plot_path FROM windows WHERE run_id = $run_id AND plot_path "
+                      "IS NOT NULL LIMIT 1", {"run_id": run_id}).fetchone()
+    return store.resolve(row[0]).read_bytes() if row else None
+
+
+def publish_images(run_id: str, iteration: int, images: dict[str, bytes]) -> bool:
+    """Attach PNGs {name: bytes} as Prefect image artifacts (data URLs, so the UI shows them with
+    no file server) when inside a flow or task run; else do nothing."""
+    from prefect.artifacts import create_image_artifact
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return False
+    run_key = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-")
+    for name, png in images.items():
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        create_image_artifact(image_url=url, key=f"{run_key}-{name}",
+                              description=f"{run_id}, iteration {iteration}: {name}")
+    return True
+
+
 def iteration_report(store: Store, recipe: Recipe, iteration: int) -> dict:
-    """Refresh the catalog, run ITERATION_QUERY, and return (and print) a short report."""
+    """Refresh the catalog, run ITERATION_QUERY, write the pictures, and return (and print) a
+    short report."""
+    run_id = recipe.run.name
     store.refresh_catalog()
     con = store.connect_readonly()
     try:
-        cursor = con.execute(ITERATION_QUERY, {"run_id": recipe.run.name, "iteration": iteration})
+        cursor = con.execute(ITERATION_QUERY, {"run_id": run_id, "iteration": iteration})
         columns = [d[0] for d in cursor.description]
         rows = cursor.fetchall()
         loss = con.execute(
             "SELECT round(avg(loss), 5)::DOUBLE, round(avg(clip_fraction), 4)::DOUBLE, "
             "count(*) FILTER (WHERE skipped) FROM train_steps "
             "WHERE run_id = $run_id AND iteration = $iteration",
-            {"run_id": recipe.run.name, "iteration": iteration}).fetchone()
+            {"run_id": run_id, "iteration": iteration}).fetchone()
         diagnostics = con.execute(
             "SELECT param_change_norm, rollout_hf_energy, constant_reward_alarm, alarm_reason "
             "FROM checkpoints WHERE run_id = $run_id AND iteration = $iteration",
-            {"run_id": recipe.run.name, "iteration": iteration}).fetchone()
+            {"run_id": run_id, "iteration": iteration}).fetchone()
+        sheet = rollout_sheet(store, con, run_id, iteration)
+        plot = _calibration_plot(store, con, run_id)
     finally:
         con.close()
+    paths = report_paths(store, run_id, iteration)
+    pictures = {name: (path, png) for name, path, png in
+                (("rollouts", paths.rollout_sheet, sheet),
+                 ("window-calibration", paths.calibration_plot, plot)) if png is not None}
+    for path, png in pictures.values():
+        _write(path, png)
+    publish_images(run_id, iteration, {name: png for name, (_, png) in pictures.items()})
     table = format_rows(columns, rows)
     change, hf, alarm, reason = diagnostics or (None, None, None, None)
-    print(f"run {recipe.run.name!r}, iteration {iteration} finished.\n"
+    print(f"run {run_id!r}, iteration {iteration} finished.\n"
           f"store: {store.root}\ncatalog: {store.catalog_path} "
           f"(query with: cast sql \"SELECT ...\" --root {store.root})\n"
           f"train: mean loss {loss[0]}, mean clip fraction {loss[1]}, skipped steps {loss[2]}\n"
           f"diagnostics: LoRA change norm {change}, rollout high-frequency energy {hf}, "
           f"constant-reward alarm: {reason if alarm else 'none'}\n"
-          f"atom scores of this iteration:\n{table}")
-    return {"run_id": recipe.run.name, "iteration": iteration, "store": str(store.root),
+          + "".join(f"{name.replace('-', ' ')}: {path}\n" for name, (path, _) in pictures.items())
+          + f"atom scores of this iteration:\n{table}")
+    return {"run_id": run_id, "iteration": iteration, "store": str(store.root),
             "atom_scores": [dict(zip(columns, r)) for r in rows],
+            "pictures": {name: str(path) for name, (path, _) in pictures.items()},
             "diagnostics": {"param_change_norm": change, "rollout_hf_energy": hf,
                             "constant_reward_alarm": alarm, "alarm_reason": reason}}
 
