@@ -6,7 +6,8 @@ world's classes and colours, the prompt against its clauses). Real-model recipes
 whose lines are objects with a string `prompt`, an optional string `tag` and, for the GenEval
 parser, GenEval's `include` clauses (GenEval's own `evaluation_metadata.jsonl` works as it is);
 free-form prompts without `include` need an LLM builder. Either way a bad line raises
-`PromptFileError` naming the file and line before anything is written.
+`PromptFileError` naming the file and line before anything is written, and so does a file with no
+prompts (empty, or only blank lines), which once gave a run of zero CSGs.
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from tasks.recipe import Recipe
 
 
 def load_prompts(recipe: Recipe, path: str | Path) -> list[dict[str, Any]]:
-    """The records of a prompt file, checked for the recipe's backbone family and builder."""
-    if recipe.backbone.family == "shapes":
-        return load_prompt_file(path)
-    needs_clauses = recipe.builder.kind == "geneval-parser"
+    """The records of a prompt file, checked for the recipe's backbone family and builder; a file
+    without prompts raises PromptFileError naming it."""
+    records = (load_prompt_file(path) if recipe.backbone.family == "shapes"
+               else _load_jsonl(path, needs_clauses=recipe.builder.kind == "geneval-parser"))
+    if not records:
+        raise PromptFileError(f"{path}: no prompts (the file is empty or has only blank lines); "
+                              f"point the recipe at a JSONL file with one prompt per line")
+    return records
+
+
+def _load_jsonl(path: str | Path, needs_clauses: bool) -> list[dict[str, Any]]:
     records = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -33,8 +41,6 @@ def load_prompts(recipe: Recipe, path: str | Path) -> list[dict[str, Any]]:
                 records.append(_check(json.loads(line), needs_clauses))
             except ValueError as err:
                 raise PromptFileError(f"{path}, line {line_no}: {err}") from err
-    if not records:
-        raise PromptFileError(f"{path}: no prompts")
     return records
 
 

@@ -10,10 +10,11 @@ recipe switch, on the same data and code:
     window.mode = "calibrated"  the window ends at the backbone's structure-formation step
     window.mode = "fixed"       the window is [window.start, window.start + window.size)
 
-Every section and field is checked (pydantic, `extra = "forbid"`): an unknown or missing field, or
-a value outside the allowed set, raises `RecipeError` naming the file, the field and what is
-allowed. `Recipe.derived()` gives the quantities the pipeline computes from the recipe; the flows
-print them at start.
+Every section and field is checked (pydantic, `extra = "forbid"`): an unknown or missing field, a
+value outside the allowed set, or a float that is not finite (inf or nan, in any field), raises
+`RecipeError` naming the file, the field and what is allowed. `Recipe.derived()` gives the
+quantities the pipeline computes from the recipe; the flows print them at start. `Recipe.pinned()`
+gives the fields that change a run's results, to which a run is pinned (`tasks.run_pin`).
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ class RecipeError(ValueError):
 
 
 class _Section(BaseModel):
-    """`hash_if_set`: fields added after stores existed; `section_hash` leaves them out while they
-    hold their default, so adding one does not invalidate every cached stage."""
+    """`hash_if_set`: fields added after stores existed; `section_hash` and `pinned` leave them
+    out while they hold their default, so adding one does not invalidate every cached stage or
+    pinned run. `unpinned`: fields that say where or how fast, not what (threads, devices,
+    caches, timeouts, memory-only batch sizes), which a run may change between iterations
+    (`Recipe.pinned`). Floats must be finite (`allow_inf_nan=False`): `train.lr = inf` used to
+    pass `gt=0` and train a NaN LoRA."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     hash_if_set: ClassVar[tuple[str, ...]] = ()
+    unpinned: ClassVar[tuple[str, ...]] = ()
 
 
 class RunSection(_Section):
+    unpinned: ClassVar[tuple[str, ...]] = ("threads",)
+
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="the run id")
     seed: int = Field(0, ge=0)
     threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
@@ -49,6 +57,8 @@ class BackboneSection(_Section):
     """The model being trained. `path` is a local folder or a hub id; the real families (`flux2`:
     FLUX.2-dev / FLUX.2-klein, `qwen_image`: Qwen-Image / Qwen-Image-2512) read the image size,
     dtype and text settings below; `shapes` takes its size from its own folder."""
+
+    unpinned: ClassVar[tuple[str, ...]] = ("device", "embedding_cache", "gradient_checkpointing")
 
     family: Literal["shapes", "flux2", "qwen_image"]
     path: str
@@ -83,6 +93,8 @@ class ScorerSection(_Section):
     """Who scores atoms: the embedded exact verifier, Soft-TIFA on a local Qwen3-VL (`path`), or a
     scorer service (`url`, see `cast serve-scorer`)."""
 
+    unpinned: ClassVar[tuple[str, ...]] = ("device", "url", "timeout_s", "retries")
+
     kind: Literal["shapes-verifier", "soft-tifa", "remote"]
     path: str | None = Field(None, description="soft-tifa: Qwen3-VL folder or hub id")
     device: str = "cpu"
@@ -108,6 +120,8 @@ class ScorerSection(_Section):
 class BuilderSection(_Section):
     """Who turns prompts into scene graphs: the GenEval-grammar parser, an LLM behind an
     OpenAI-compatible endpoint (`base_url`, `model`), or a local causal LM (`model` = folder)."""
+
+    unpinned: ClassVar[tuple[str, ...]] = ("device", "api_key_env", "timeout_s", "cache_dir")
 
     kind: Literal["geneval-parser", "llm-chat", "llm-local"]
     base_url: str | None = Field(None, description="llm-chat: e.g. http://localhost:8000/v1")
@@ -147,6 +161,7 @@ class SamplingSection(_Section):
     policy gradient stays unbiased, its variance falls)."""
 
     hash_if_set: ClassVar[tuple[str, ...]] = ("shared_noise",)
+    unpinned: ClassVar[tuple[str, ...]] = ("chunk_size",)
 
     num_steps: int = Field(ge=2)
     guidance_scale: float = Field(ge=1.0)
@@ -211,6 +226,8 @@ class TrainSection(_Section):
     `steps_per_epoch` and `warmup_steps` are hashed always, not `hash_if_set`: what a micro-batch
     means changed with them (it used to be one optimizer step), so an older cached training must
     not be reused."""
+
+    unpinned: ClassVar[tuple[str, ...]] = ("micro_batch",)
 
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
@@ -283,6 +300,11 @@ class EvalSection(_Section):
 
 
 class Recipe(_Section):
+    """`unpinned_sections`: sections no training iteration reads (evaluations are keyed by their
+    own spec hash), left out of `pinned` whole."""
+
+    unpinned_sections: ClassVar[tuple[str, ...]] = ("eval",)
+
     run: RunSection
     backbone: BackboneSection
     scorer: ScorerSection
@@ -365,14 +387,36 @@ class Recipe(_Section):
 
     def section_hash(self, *names: str) -> str:
         """sha256 of the canonical JSON of some sections (a stage's config part of its key)."""
-        dump = self.model_dump(mode="json")
-        for n in names:
-            section = getattr(self, n)
-            for field in section.hash_if_set:
-                if getattr(section, field) == type(section).model_fields[field].default:
-                    del dump[n][field]
+        dump = self._dump_without_unset_later_fields()
         text = json.dumps({n: dump[n] for n in names}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def pinned(self) -> dict[str, dict[str, Any]]:
+        """The fields a run is pinned to (`tasks.run_pin`): every section but
+        `unpinned_sections`, without each section's `unpinned` fields, and without `hash_if_set`
+        fields at their default (so a field added later does not unpin older runs)."""
+        dump = self._dump_without_unset_later_fields()
+        out = {}
+        for name in type(self).model_fields:
+            if name in self.unpinned_sections:
+                continue
+            skip = getattr(self, name).unpinned
+            out[name] = {k: v for k, v in dump[name].items() if k not in skip}
+        return out
+
+    def pinned_hash(self) -> str:
+        """sha256 of the canonical JSON of `pinned()`."""
+        text = json.dumps(self.pinned(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _dump_without_unset_later_fields(self) -> dict[str, dict[str, Any]]:
+        dump = self.model_dump(mode="json")
+        for name in type(self).model_fields:
+            section = getattr(self, name)
+            for field in section.hash_if_set:
+                if getattr(section, field) == type(section).model_fields[field].default:
+                    del dump[name][field]
+        return dump
 
 
 def _format_errors(error: ValidationError) -> str:
@@ -384,6 +428,9 @@ def _format_errors(error: ValidationError) -> str:
             lines.append(f"  {field}: missing; add it")
         elif e["type"] == "extra_forbidden":
             lines.append(f"  {field}: unknown field (value {given!r}); remove it or fix its name")
+        elif e["type"] == "finite_number":
+            lines.append(f"  {field}: must be a finite number (got {given!r}); inf and nan are "
+                         f"not allowed")
         else:
             lines.append(f"  {field}: {e['msg']} (got {given!r})")
     return "\n".join(lines)

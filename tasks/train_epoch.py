@@ -24,6 +24,10 @@ stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
   the policy (`update_kl_nats`: KL(rollout policy || trained policy) per sample and window step
   in nats, replayed on up to 64 of the samples after the last step), the mean high-frequency
   energy of the rollout images, and the constant-reward alarm.
+Weights that came out non-finite (e.g. a huge lr: each step is finite until the weights are not)
+are never saved: the stage raises `NonFiniteWeights` (a `StageRefused`), which leaves a
+`stage_failures` row with each step's loss, lr and skip reason, writes no blob, table row or
+completion, and fails the flow; the policy stays at the previous checkpoint.
 The first inner step must see ratio 1 (same weights as the rollout); when it does not, a warning
 with the figures is logged and the row keeps them. A constant-reward alarm (every group of an atom
 type tied, or all scalar rewards equal: no learning signal from that reward) is logged as a
@@ -71,10 +75,14 @@ from tasks.recast_gains import reward_step_weights
 from tasks.recipe import Recipe
 from tasks.rollout_groups import rollout_spec
 from tasks.score_atoms import load_graphs, load_rollout_rows
-from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.stage import StageRef, StageRefused, derive_seed, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "train_epoch"
+
+
+class NonFiniteWeights(StageRefused):
+    """Training left a LoRA or optimizer tensor with inf or nan entries; nothing was saved."""
 
 
 def _logger():
@@ -145,6 +153,25 @@ def _step_row(u: UpdateStep) -> dict:
             "lr": u.lr,
             "ratio_mean_per_step": kept(list(u.ratio_mean_per_step)),
             "clip_fraction_per_step": kept(list(u.clip_fraction_per_step))}
+
+
+def _refuse_non_finite(lora: dict[str, torch.Tensor], optimizer_state: dict[str, torch.Tensor],
+                       updates: list[UpdateStep], iteration: int, lr: float) -> None:
+    """Raise NonFiniteWeights when any LoRA or optimizer tensor has an inf or nan entry."""
+    bad = sorted(n for n, t in {**lora, **optimizer_state}.items() if not torch.isfinite(t).all())
+    if not bad:
+        return
+    previous = (f"the checkpoint of iteration {iteration - 1}" if iteration > 0 else
+                "the base model with its fresh adapter (iteration 0)")
+    losses = [None if u.skipped else round(u.loss, 6) for u in updates]
+    raise NonFiniteWeights(
+        f"iteration {iteration}: training left {len(bad)} LoRA/optimizer tensor(s) with inf or "
+        f"nan entries (e.g. {bad[0]!r}); nothing was saved and the policy stays at {previous}. "
+        f"Step losses {losses} (None: skipped, {[u.skip_reason for u in updates]}). Lower "
+        f"train.lr (now {lr:g}) or check this iteration's advantages; then run the iteration again",
+        {"tensors": bad, "losses": losses, "lrs": [u.lr for u in updates],
+         "skip_reasons": [u.skip_reason for u in updates],
+         "grad_norms": [None if u.skipped else u.grad_norm for u in updates]})
 
 
 def _pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
@@ -235,6 +262,8 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                 backbone, optimizer, prompts, rollout, spec, adv[index], config,
                 shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration), on_step=show,
                 lr_for_step=lambda j: linear_warmup_lr(tr.lr, tr.warmup_steps, steps_before + j))
+        opt_tensors, groups = optimizer_tensors(optimizer)
+        _refuse_non_finite(lora_tensors(backbone), opt_tensors, updates, iteration, tr.lr)
         moved = update_kl_nats(backbone, prompts, rollout, spec, micro_batch=tr.micro_batch)
         first = updates[0]
         if first.first_ratio_ok is False:
@@ -252,7 +281,6 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                       "reward_step_weights_json": weights_json}
                      for j, u in enumerate(updates)]
         lora_blob = store.put_tensors(lora_tensors(backbone))
-        opt_tensors, groups = optimizer_tensors(optimizer)
         opt_blob = store.put_tensors(opt_tensors, metadata={"param_groups": groups})
         optimizer_steps = int(optimizer.state[params[0]]["step"]) if optimizer.state else 0
         part = f"{run_id}-{iteration:05d}"
