@@ -4,11 +4,21 @@
     cast tables [--root ROOT]        every declared table with its row count
     cast examples                    the example queries the README shows
     cast refresh [--root ROOT]       (re)build the catalog of views
+    cast verify [--root ROOT] [--run RUN] [--repair --recipe FILE [--set FIELD=JSON ...]]
+                                     check every recorded output against its hashes
+    cast gc --keep N [--root ROOT] [--run RUN] [--dry-run]
+                                     delete old iterations' bulky blobs (tasks.gc)
     cast serve-scorer --scorer soft-tifa --model PATH [--host H --port P --device cuda]
                                      serve a scorer over HTTP (cast_core.scorers.service)
 
 ROOT defaults to $CAST_STORE, else runs/store. `sql` and `tables` open the catalog read-only and
 refresh nothing; `refresh` rebuilds it under the store's lock. Decimal results print as floats.
+
+`sql` runs one query and nothing else: any statement but SELECT (or EXPLAIN) is refused before it
+runs, and the connection itself (`Store.connect_readonly`) reads files only under the store and
+cannot write, attach, load extensions or change its settings. `verify` exits 1 when a current
+record's file is missing, changed or unreadable (`tasks.integrity`); `--repair` first rebuilds what
+the recipe's run can rebuild from recorded inputs. `gc` prints what it deletes and the bytes freed.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import duckdb
 
 from tasks.schemas import TABLES
 from tasks.store import Store
+
+_QUERY_TYPES = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
 
 EXAMPLE_QUERIES: dict[str, str] = {
     "mean score per atom type and iteration": (
@@ -73,6 +85,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "refresh":
         print(f"catalog written: {store.refresh_catalog()}")
         return 0
+    if args.command == "verify":
+        return _verify(store, args)
+    if args.command == "gc":
+        return _gc(store, args)
     try:
         con = store.connect_readonly()
     except FileNotFoundError as e:
@@ -85,13 +101,93 @@ def _main(args: argparse.Namespace) -> int:
                 f"FROM {name}" for name, spec in TABLES.items())
             print(_run(con, query, "table"))
         else:
-            print(_run(con, args.query, args.format))
-    except duckdb.Error as e:
+            print(_run(con, _only_a_query(con, args.query), args.format))
+        _warn_excluded(con, store)
+    except (duckdb.Error, ValueError) as e:
         print(f"cast: query failed: {e}", file=sys.stderr)
         return 1
     finally:
         con.close()
     return 0
+
+
+def _only_a_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.Statement:
+    """The one statement of `query` if it is a SELECT (or EXPLAIN); ValueError otherwise."""
+    statements = con.extract_statements(query)
+    if len(statements) != 1:
+        raise ValueError(f"give exactly one statement (got {len(statements)})")
+    if statements[0].type not in _QUERY_TYPES:
+        raise ValueError(f"cast sql is read-only: only SELECT (or EXPLAIN) runs, not "
+                         f"{statements[0].type.name}; write to a store through the flows")
+    return statements[0]
+
+
+def _warn_excluded(con: duckdb.DuckDBPyConnection, store: Store) -> None:
+    try:
+        excluded = con.execute("SELECT \"table_name\", path FROM excluded_parts").fetchall()
+    except duckdb.CatalogException:  # a catalog built before excluded_parts existed
+        return
+    if excluded:
+        print(f"cast: note: {len(excluded)} damaged part(s) left out of the views "
+              f"({', '.join(p for _, p in excluded)}); see `cast verify --root {store.root}`",
+              file=sys.stderr)
+
+
+def _verify(store: Store, args: argparse.Namespace) -> int:
+    from tasks.integrity import DamagedOutputError, repair, verify_store
+    from tasks.recipe import RecipeError, load_recipe, parse_overrides
+
+    if args.repair:
+        if not args.recipe:
+            print("cast: verify --repair needs --recipe (the run's recipe file)", file=sys.stderr)
+            return 2
+        try:
+            recipe = load_recipe(args.recipe, parse_overrides(args.set))
+            damaged = [c for c in verify_store(store, recipe.run.name)
+                       if c.record is not None and c.status == "damaged"]
+            for ref in repair(store, recipe, damaged):
+                print(f"rebuilt: iteration {ref.iteration} {ref.stage}")
+        except (RecipeError, DamagedOutputError) as e:
+            print(f"cast: {e}", file=sys.stderr)
+    checks = verify_store(store, args.run)
+    rows = [[c.record.run_id if c.record else "?",
+             (c.record.iteration if c.record.iteration >= 0 else "run") if c.record else "?",
+             c.record.stage if c.record else "(no record)", c.status, len(c.paths),
+             ", ".join(sorted({p.status for p in c.paths} - {"ok"}))] for c in checks]
+    rows.sort(key=lambda r: (str(r[0]), str(r[1]), str(r[2])))
+    print(_table(["run_id", "iteration", "stage", "status", "files", "not ok"], rows))
+    bad = [c for c in checks if c.status == "damaged"]
+    for c in bad:
+        print("damaged: " + c.problems().replace("; ", "\ndamaged: "))
+    print(f"{len(bad)} damaged record(s) of {len(checks)}" + (
+        f"; rebuild with `cast verify --repair --recipe RECIPE --root {store.root}`" if bad
+        else ""))
+    return 1 if bad else 0
+
+
+def _gc(store: Store, args: argparse.Namespace) -> int:
+    from tasks.gc import collect, plan_gc
+
+    try:
+        plan = plan_gc(store, args.keep, args.run)
+    except ValueError as e:
+        print(f"cast: {e}", file=sys.stderr)
+        return 2
+    for run, kept in sorted(plan.kept.items()):
+        print(f"{run}: keeping the blobs of iterations {list(kept)}")
+    by_kind = ", ".join(f"{k} {_mb(v)}" for k, v in sorted(plan.bytes_by_kind().items()))
+    if args.dry_run:
+        print(f"would delete {len(plan.blobs)} blob(s), {_mb(plan.bytes)}"
+              + (f" ({by_kind})" if by_kind else "") + "; nothing deleted (--dry-run)")
+        return 0
+    freed = collect(store, plan)
+    print(f"deleted {len(plan.blobs)} blob(s), freed {_mb(freed)}"
+          + (f" ({by_kind})" if by_kind else ""))
+    return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,16 +199,30 @@ def _parser() -> argparse.ArgumentParser:
     sql.add_argument("--format", choices=("table", "csv", "json"), default="table")
     tables = commands.add_parser("tables", help="list the tables with their row counts")
     refresh = commands.add_parser("refresh", help="rebuild catalog.duckdb over the Parquet files")
+    verify = commands.add_parser("verify", help="check every recorded output against its hashes "
+                                 "(exit 1 on damage)")
+    verify.add_argument("--run", default=None, help="only this run's records")
+    verify.add_argument("--repair", action="store_true",
+                        help="first rebuild the recipe's damaged outputs from their inputs")
+    verify.add_argument("--recipe", default=None, help="the run's recipe file (with --repair)")
+    verify.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                        help="override a recipe field, as the flows do")
+    gc = commands.add_parser("gc", help="delete old iterations' window tensors, advantage maps "
+                             "and optimizer states; keep every table row")
+    gc.add_argument("--keep", type=int, required=True,
+                    help="keep the blobs of each run's last N finished iterations (N >= 1)")
+    gc.add_argument("--run", default=None, help="only this run")
+    gc.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
     commands.add_parser("examples", help="print the example queries")
     commands.add_parser("serve-scorer", help="serve a scorer over HTTP (see: cast serve-scorer "
                         "--help)")
-    for command in (sql, tables, refresh):
+    for command in (sql, tables, refresh, verify, gc):
         command.add_argument("--root", default=default_root,
                              help="store root (default: $CAST_STORE or runs/store)")
     return parser
 
 
-def _run(con: duckdb.DuckDBPyConnection, query: str, fmt: str) -> str:
+def _run(con: duckdb.DuckDBPyConnection, query: str | duckdb.Statement, fmt: str) -> str:
     result = con.execute(query)
     if result.description is None:
         return "(no result)"

@@ -15,6 +15,14 @@ Conventions:
 - `windows` names its bounds `window_start` / `window_end` (as `rollouts` does): `end` is an SQL
   keyword and would need quoting in every query.
 
+Integrity (issue 19):
+- `stages` version 2 adds `path_hashes`: the sha256 of each output in `paths` order, so a damaged
+  file can be named (null in version 1 files: only the combined `content_hash` is known there).
+- `stage_failures`: a stage that refused to record completion (`tasks.stage.StageRefused`: empty
+  output, non-finite weights) leaves a row saying why; a retry with the same key overwrites it.
+- `runs`: one row per run, the recipe it is pinned to (`Recipe.pinned`, `tasks.run_pin`).
+- `collected_blobs`: blobs `cast gc` deleted (`tasks.gc`); a record naming one stays valid.
+
 Diagnostics (version 2 of train_steps, checkpoints, evals; `cast_core/diagnostics.py` defines
 them):
 - `train_steps.ratio_mean_per_step` / `clip_fraction_per_step`: K values in window-step order,
@@ -88,10 +96,27 @@ def _table(name: str, version: int, doc: str, *columns: tuple) -> TableSpec:
 _KEYS = (("run_id", STR), ("iteration", I32), ("prompt_id", STR), ("sample_index", I32))
 
 _SPECS = (
-    _table("stages", 1, "Stage completion rows, written last by each stage; the truth for resume.",
+    _table("stages", 2, "Stage completion rows, written last by each stage; the truth for resume.",
            ("run_id", STR), ("iteration", I32), ("stage", STR), ("cache_key", STR), ("rows", I64),
            ("content_hash", STR), ("paths", _list(STR)), ("code_version", STR),
-           ("started_at", UTC_TIME), ("finished_at", UTC_TIME)),
+           ("started_at", UTC_TIME), ("finished_at", UTC_TIME),
+           ("path_hashes", _list(STR), _NULL)),
+    _table("stage_failures", 1,
+           "A stage that refused to record its output (invalid or non-finite): why, and figures.",
+           ("run_id", STR), ("iteration", I32), ("stage", STR), ("cache_key", STR),
+           ("reason", STR), ("details_json", STR, _NULL), ("code_version", STR),
+           ("failed_at", UTC_TIME)),
+    _table("collected_blobs", 1,
+           "Bulky blobs `cast gc` deleted (window tensors, advantage maps, optimizer states of old "
+           "iterations): the stage records naming them stay valid and `cast verify` says "
+           "'collected'.",
+           ("path", STR), ("sha256", STR), ("bytes", I64), ("run_id", STR), ("iteration", I32),
+           ("kind", STR), ("collected_at", UTC_TIME)),
+    _table("runs", 1,
+           "The recipe a run is pinned to (written by its first stage): the hash and JSON of the "
+           "fields that change results, and the whole recipe as it was.",
+           ("run_id", STR), ("recipe_hash", STR), ("pinned_json", STR), ("recipe_json", STR),
+           ("code_version", STR), ("pinned_at", UTC_TIME)),
     _table("csgs", 1, "One causal scene graph per prompt, as JSON, with the builder that made it.",
            ("run_id", STR), ("prompt_id", STR), ("prompt", STR), ("tag", STR, _NULL),
            ("split", STR), ("builder", STR), ("graph_json", STR), ("num_atoms", I32)),
@@ -197,11 +222,13 @@ def duckdb_type(arrow_type: pa.DataType) -> str:
     return _DUCKDB_SCALARS[arrow_type]
 
 
-def view_sql(spec: TableSpec, parquet_glob: str | None) -> str:
-    """CREATE VIEW over a Parquet glob, or an empty view with the declared columns (glob None)."""
+def view_sql(spec: TableSpec, parquet_glob: str | Sequence[str] | None) -> str:
+    """CREATE VIEW over a Parquet glob or a list of files, or an empty view with the declared
+    columns (None)."""
     if parquet_glob is not None:
-        glob = parquet_glob.replace("'", "''")
-        source = f"SELECT * FROM read_parquet('{glob}', union_by_name = true)"
+        files = [parquet_glob] if isinstance(parquet_glob, str) else list(parquet_glob)
+        listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+        source = f"SELECT * FROM read_parquet([{listed}], union_by_name = true)"
     else:
         columns = ", ".join(f'CAST(NULL AS {duckdb_type(f.type)}) AS "{f.name}"'
                             for f in spec.schema)

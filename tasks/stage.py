@@ -13,6 +13,15 @@ content hashes of its inputs (upstream stages' outputs, prompt files, weights) a
 result cache (results persisted as JSON under Prefect's local storage), but only once the store
 confirms the stage is done, so a Prefect cache hit can never stand in for outputs that are gone.
 
+Invalid output is never recorded: a body that raises `StageRefused` (e.g. non-finite LoRA weights)
+or writes a table part with no rows leaves a `stage_failures` row saying why, no completion row,
+and the error propagates (the flow exits non-zero).
+
+The Prefect wrapper also guards each stage before it runs (`tasks.integrity.guard_stage`): the run
+must be pinned to this recipe (`tasks.run_pin`), and a training iteration's stages first check what
+the iteration builds on (the run-level outputs and the previous iteration's) against their
+recorded hashes, rebuilding a damaged one when its recorded inputs allow.
+
 Run-level stages (CSGs, window calibration) are recorded with iteration RUN_LEVEL (-1).
 """
 
@@ -36,6 +45,15 @@ RUN_LEVEL = -1
 _PACKAGES = ("cast_core", "tasks")
 
 
+class StageRefused(RuntimeError):
+    """A stage's output is invalid, so it records no completion; `details` (JSON-able figures)
+    go to the `stage_failures` row with the message."""
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.details = details or {}
+
+
 @dataclass(frozen=True)
 class StageRef:
     """The small result of a stage: what it wrote (paths relative to the store root), a combined
@@ -56,6 +74,13 @@ class StageRef:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageRef:
         return cls(**{**data, "paths": tuple(data["paths"])})
+
+    @classmethod
+    def from_record(cls, record: StageRecord, skipped: bool = True,
+                    seconds: float = 0.0) -> StageRef:
+        """The ref of a recorded stage (what a skipped call returns)."""
+        return cls(record.stage, record.iteration, record.cache_key, record.content_hash,
+                   record.rows, tuple(record.paths), skipped, seconds)
 
     def path_with(self, marker: str) -> str:
         """The one output path containing `marker` (e.g. '/rollouts/' or '.safetensors')."""
@@ -101,27 +126,40 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def _ref(record: StageRecord, skipped: bool, seconds: float) -> StageRef:
-    return StageRef(record.stage, record.iteration, record.cache_key, record.content_hash,
-                    record.rows, tuple(record.paths), skipped, seconds)
-
-
 def run_stage(store: Store, run_id: str, iteration: int, stage: str, cache_key: str,
               body: Callable[[], Sequence[TableRef | BlobRef]]) -> StageRef:
-    """Skip if done (valid completion record), else run `body` and record completion last."""
+    """Skip if done (valid completion record), else run `body` and record completion last. A
+    body that raises `StageRefused`, or writes an empty table part, records why (`stage_failures`)
+    instead, and the error propagates."""
     t0 = time.perf_counter()
     done = store.stage_done(run_id, iteration, stage, cache_key)
     if done is not None:
-        return _ref(done, skipped=True, seconds=time.perf_counter() - t0)
+        return StageRef.from_record(done, skipped=True, seconds=time.perf_counter() - t0)
     started = datetime.now(UTC)
-    refs = list(body())
+    try:
+        refs = list(body())
+        _check_output(stage, iteration, refs)
+    except StageRefused as refused:
+        store.record_failure(run_id, iteration, stage, cache_key, str(refused), refused.details,
+                             code_version=code_version())
+        raise
     store.record_stage(run_id, iteration, stage, cache_key, refs, code_version=code_version(),
                        started_at=started)
     record = store.stage_done(run_id, iteration, stage, cache_key)
     if record is None:
         raise RuntimeError(f"stage {stage!r} wrote its record but it does not validate: a path it "
                            f"names is missing under {store.root}")
-    return _ref(record, skipped=False, seconds=time.perf_counter() - t0)
+    return StageRef.from_record(record, skipped=False, seconds=time.perf_counter() - t0)
+
+
+def _check_output(stage: str, iteration: int, refs: Sequence[TableRef | BlobRef]) -> None:
+    """Every table part a stage writes must hold rows (an empty prompt file once gave 0 CSGs)."""
+    empty = [r.path for r in refs if isinstance(r, TableRef) and r.rows == 0]
+    if empty:
+        raise StageRefused(f"stage {stage!r} (iteration {iteration}) wrote no rows to {empty}; "
+                           f"empty output is invalid, so no completion was recorded: check the "
+                           f"stage's inputs (prompt file, prompt selection, scorer)",
+                           {"empty_parts": empty})
 
 
 def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., str]):
@@ -129,11 +167,21 @@ def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., st
 
     Prefect's result cache is keyed on `key_fn` (the stage's content-hash key, called with the
     parameters it names) but only once the store confirms the stage is done; results are
-    persisted as JSON (never pickle) under Prefect's local storage path.
+    persisted as JSON (never pickle) under Prefect's local storage path. The task runs
+    `tasks.integrity.guard_stage` before `fn` (recipe pin; inputs of a training iteration).
     """
     from prefect import task
 
     names = list(inspect.signature(key_fn).parameters)
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs) -> StageRef:
+        from tasks.integrity import guard_stage  # it imports the stage modules
+
+        bound = signature.bind(*args, **kwargs).arguments
+        guard_stage(bound["store"], bound["recipe"], stage, bound.get("iteration", RUN_LEVEL))
+        return fn(*args, **kwargs)
 
     def cache_key_fn(context, parameters) -> str | None:
         store, recipe = parameters["store"], parameters["recipe"]
@@ -143,5 +191,5 @@ def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., st
             return None
         return f"{recipe.run.name}-{iteration}-{stage}-{key}"
 
-    return task(fn, name=stage, cache_key_fn=cache_key_fn, persist_result=True,
+    return task(guarded, name=stage, cache_key_fn=cache_key_fn, persist_result=True,
                 result_serializer="json")

@@ -11,9 +11,17 @@ Every file appears under its final name only when complete: it is written to a t
 the same directory (a dot-name that no glob matches), fsynced, then `os.replace`d, so a crash
 leaves the old file or the new one, never half of one. Paths in refs and tables are POSIX paths
 relative to the root. A stage is done when its `stages` row exists and every path that row names
-exists with the content it had when the row was written (combined sha256); stages write that row
-last. Views read their files at query time, so a part written after
-a refresh is already listed; only a table's first part needs a refresh (its view is empty until).
+exists with the content it had when the row was written (combined sha256, and since `stages`
+version 2 one sha256 per path); stages write that row last. A blob that `cast gc` deleted on
+purpose (listed in `collected_blobs`) counts as present: the stage stays done.
+
+Views read their files at query time, so a part written after a refresh is already listed; only
+a table's first part needs a refresh (its view is empty until). A part whose Parquet footer cannot
+be read (a truncated or overwritten file) is left out of its table's view, which then lists the
+good parts by name, and out of `read_table` (with a warning); the `excluded_parts` view names what
+was left out, so one damaged file never breaks the queries on every other run. Read-only
+connections are locked down with DuckDB's own settings: no file access outside the store, no
+extensions, no ATTACH, configuration locked.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
 import secrets
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -67,7 +77,8 @@ class BlobRef:
 
 @dataclass(frozen=True)
 class StageRecord:
-    """One completion row of the `stages` table."""
+    """One completion row of the `stages` table; `path_hashes` (the sha256 of each of `paths`) is
+    None in rows written before `stages` version 2."""
 
     run_id: str
     iteration: int
@@ -79,6 +90,7 @@ class StageRecord:
     code_version: str
     started_at: datetime
     finished_at: datetime
+    path_hashes: tuple[str, ...] | None = None
 
 
 Filters = Mapping[str, Any] | pc.Expression | None
@@ -100,22 +112,33 @@ class Store:
         return sorted((self.root / "tables" / table).glob("*.parquet"))
 
     def write_table(self, table: str, data: pa.Table | Sequence[Mapping[str, Any]],
-                    part: str) -> TableRef:
-        """Validate rows against the declared schema and write them as `tables/<table>/<part>`."""
+                    part: str, *, exclusive: bool = False) -> TableRef:
+        """Validate rows against the declared schema and write them as `tables/<table>/<part>`;
+        `exclusive`: only if that part does not exist yet (else FileExistsError, nothing
+        written), decided atomically even between processes."""
         if not _PART.fullmatch(part):
             raise ValueError(f"part name {part!r} must match {_PART.pattern} (no slashes, no "
                              f"leading dot); build it from run id, iteration and shard")
         arrow = conform(table, data)
         schema = table_spec(table).schema
         final = self.root / "tables" / table / f"{part}.parquet"
-        digest = atomic_write(final, lambda tmp: _write_parquet(tmp, arrow, schema))
+        digest = atomic_write(final, lambda tmp: _write_parquet(tmp, arrow, schema),
+                              exclusive=exclusive)
         return TableRef(self._relative(final), digest, arrow.num_rows)
 
     def read_table(self, table: str, filters: Filters = None) -> pa.Table:
-        """All parts of a table with its declared schema; `filters` is {column: value} or an
-        Arrow expression. An empty table (declared schema) when nothing was written."""
+        """All readable parts of a table with its declared schema; `filters` is {column: value}
+        or an Arrow expression. An empty table (declared schema) when nothing was written. A part
+        whose footer cannot be read is left out with a warning naming it (`cast verify` says
+        which stage wrote it and how to rebuild it)."""
         schema = table_spec(table).schema
         files = self.parts(table)
+        damaged = [f for f in files if not parquet_readable(f)]
+        for f in damaged:
+            warnings.warn(f"{f}: not a readable Parquet file, left out of {table!r}; run `cast "
+                          f"verify --root {self.root}` to see what wrote it and how to rebuild it",
+                          DamagedPartWarning, stacklevel=2)
+        files = [f for f in files if f not in damaged]
         if not files:
             return schema.empty_table()
         dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
@@ -158,8 +181,26 @@ class Store:
                "rows": sum(getattr(r, "rows", 0) for r in refs),
                "content_hash": combined_hash(refs), "paths": [r.path for r in refs],
                "code_version": code_version or _package_version(),
-               "started_at": started_at or finished_at, "finished_at": finished_at}
+               "started_at": started_at or finished_at, "finished_at": finished_at,
+               "path_hashes": [r.content_hash for r in refs]}
         return self.write_table("stages", [row], _stage_part(run_id, iteration, stage, cache_key))
+
+    def record_failure(self, run_id: str, iteration: int, stage: str, cache_key: str,
+                       reason: str, details: Mapping[str, Any] | None = None, *,
+                       code_version: str | None = None) -> TableRef:
+        """Write why a stage refused to record completion (`stage_failures`); a later failure of
+        the same (run, iteration, stage, key) replaces it."""
+        row = {"run_id": run_id, "iteration": iteration, "stage": stage, "cache_key": cache_key,
+               "reason": reason, "code_version": code_version or _package_version(),
+               "details_json": json.dumps(details, sort_keys=True, default=str) if details
+               else None, "failed_at": datetime.now(UTC)}
+        return self.write_table("stage_failures", [row],
+                                _stage_part(run_id, iteration, stage, cache_key))
+
+    def stage_records(self, run_id: str | None = None) -> list[StageRecord]:
+        """Every readable completion record (of one run, or all), oldest first."""
+        rows = self.read_table("stages", {"run_id": run_id} if run_id else None).to_pylist()
+        return sorted((_record(r) for r in rows), key=lambda r: (r.finished_at, r.stage))
 
     def stage_done(self, run_id: str, iteration: int, stage: str,
                    cache_key: str) -> StageRecord | None:
@@ -178,8 +219,16 @@ class Store:
         rows = self.read_table("stages", {"run_id": run_id, "stage": stage}).to_pylist()
         return max((r["iteration"] for r in rows if self._paths_exist(_record(r))), default=-1)
 
+    def collected_paths(self) -> set[str]:
+        """Blob paths `cast gc` deleted on purpose (`collected_blobs`)."""
+        if not self.parts("collected_blobs"):
+            return set()
+        return set(self.read_table("collected_blobs").column("path").to_pylist())
+
     def refresh_catalog(self) -> Path:
-        """Rebuild catalog.duckdb (one view per table) under an exclusive lock, swapped in whole."""
+        """Rebuild catalog.duckdb (one view per table, and `excluded_parts`) under an exclusive
+        lock, swapped in whole. A table with an unreadable part gets a view over its readable
+        parts by name (parts written later need another refresh); the others read a glob."""
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / "catalog.lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file is closed
@@ -188,10 +237,16 @@ class Store:
                 _remove(tmp, Path(f"{tmp}.wal"))
                 con = duckdb.connect(str(tmp))
                 try:
+                    excluded = []
                     for spec in TABLES.values():
-                        glob = self.root / "tables" / spec.name / "*.parquet"
-                        con.execute(view_sql(spec, str(glob) if self.parts(spec.name) else None))
+                        files = self.parts(spec.name)
+                        bad = [f for f in files if not parquet_readable(f)]
+                        excluded += [(spec.name, self._relative(f)) for f in bad]
+                        source = ([str(f) for f in files if f not in bad] if bad else
+                                  str(self.root / "tables" / spec.name / "*.parquet"))
+                        con.execute(view_sql(spec, source if files else None))
                         con.execute(f"COMMENT ON VIEW {spec.name} IS '{_quote(spec.doc)}'")
+                    con.execute(_excluded_view_sql(excluded))
                     con.execute("CHECKPOINT")
                 finally:
                     con.close()
@@ -203,28 +258,52 @@ class Store:
         return self.catalog_path
 
     def connect_readonly(self) -> duckdb.DuckDBPyConnection:
-        """A read-only connection to the catalog; close it when done. DuckDB shares one open
-        database per path within a process: a connection opened while an older one is still open
-        sees the catalog as it was then, so close connections rather than keeping them."""
+        """A read-only connection to the catalog, locked down: files are read only under the
+        store root, nothing outside it is reachable, extensions cannot be installed or loaded,
+        nothing spills to disk, and the configuration is locked so SQL cannot undo any of it.
+        (A read-only catalog still lets `COPY ... TO` write files; `flows.cli` also refuses every
+        statement but a query.) Close it when done. DuckDB shares one open database per path
+        within a process: a connection opened while an older one is still open sees the catalog
+        as it was then, and its settings, so close connections rather than keeping them."""
         if not self.catalog_path.exists():
             raise FileNotFoundError(
                 f"no catalog at {self.catalog_path}; build it with `cast refresh --root "
                 f"{self.root}` or Store(root).refresh_catalog()")
-        return duckdb.connect(str(self.catalog_path), read_only=True)
+        con = duckdb.connect(str(self.catalog_path), read_only=True,
+                             config={"autoinstall_known_extensions": False,
+                                     "autoload_known_extensions": False})
+        if con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
+            return con  # another open connection of this process already locked it down
+        root = str(self.root).replace("'", "''")
+        for statement in (f"SET allowed_directories = ['{root}/']", "SET temp_directory = ''",
+                          "SET enable_external_access = false", "SET lock_configuration = true"):
+            con.execute(statement)
+        return con
 
     def _paths_exist(self, record: StageRecord) -> bool:
-        return all(self.resolve(p).exists() for p in record.paths)
+        missing = [p for p in record.paths if not self.resolve(p).exists()]
+        return not missing or set(missing) <= self.collected_paths()
 
     def _outputs_intact(self, record: StageRecord) -> bool:
-        """Every path exists and still holds the bytes the stage wrote (a later run of the same
-        run id under another config may have rewritten a table part)."""
+        """Every path exists (or was collected by gc) and still holds the bytes the stage wrote
+        (a later run of the same run id under another config may have rewritten a table part)."""
         if not self._paths_exist(record):
             return False
-        refs = [BlobRef(p, file_sha256(self.resolve(p))) for p in record.paths]
+        refs = [BlobRef(p, file_sha256(self.resolve(p)) if self.resolve(p).exists()
+                        else blob_name_hash(p)) for p in record.paths]
         return combined_hash(refs) == record.content_hash
 
     def _relative(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
+
+
+def blob_name_hash(path: str) -> str | None:
+    """The sha256 a content-addressed blob path names (`blobs/<hh>/<sha256>.<ext>`), else None."""
+    parts = path.split("/")
+    if len(parts) != 3 or parts[0] != "blobs":
+        return None
+    digest = parts[2].split(".", 1)[0]
+    return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
 
 
 def combined_hash(refs: Sequence[TableRef | BlobRef]) -> str:
@@ -241,7 +320,33 @@ def _stage_part(run_id: str, iteration: int, stage: str, cache_key: str) -> str:
 
 
 def _record(row: Mapping[str, Any]) -> StageRecord:
-    return StageRecord(**{**row, "paths": tuple(row["paths"])})
+    hashes = row.get("path_hashes")
+    return StageRecord(**{**row, "paths": tuple(row["paths"]),
+                          "path_hashes": tuple(hashes) if hashes is not None else None})
+
+
+class DamagedPartWarning(UserWarning):
+    """A table part that cannot be read was left out of a read."""
+
+
+def parquet_readable(path: str | os.PathLike) -> bool:
+    """Whether a Parquet file's footer (schema and row groups) reads; a truncated file's does
+    not. Cheap: the data pages are not read (`cast verify` checks whole files' hashes)."""
+    try:
+        pq.read_metadata(path)
+    except Exception:  # noqa: BLE001 (a damaged footer fails in many ways: OSError, Arrow, Unicode)
+        return False
+    return True
+
+
+def _excluded_view_sql(excluded: Sequence[tuple[str, str]]) -> str:
+    rows = ", ".join(f"('{_quote(t)}', '{_quote(p)}')" for t, p in excluded)
+    source = (f"SELECT * FROM (VALUES {rows}) v(\"table_name\", path)" if excluded else
+              "SELECT CAST(NULL AS VARCHAR) AS \"table_name\", CAST(NULL AS VARCHAR) AS path "
+              "WHERE false")
+    return (f"CREATE VIEW excluded_parts AS {source}; COMMENT ON VIEW excluded_parts IS "
+            f"'Table parts left out of the views: their Parquet footer does not read (cast verify "
+            f"names the stage that wrote each)'")
 
 
 def _expression(filters: Filters) -> pc.Expression | None:
@@ -264,15 +369,21 @@ def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> str:
     return atomic_write(Path(final), lambda tmp: Path(tmp).write_bytes(data))
 
 
-def atomic_write(final: Path, write: Callable[[str], None]) -> str:
-    """Write via `write(tmp_path)` into a temp file beside `final`, fsync, rename; -> sha256."""
+def atomic_write(final: Path, write: Callable[[str], None], *, exclusive: bool = False) -> str:
+    """Write via `write(tmp_path)` into a temp file beside `final`, fsync, rename; -> sha256.
+    `exclusive`: link instead of rename, so an existing `final` raises FileExistsError and
+    stays as it was (the temp file is removed either way)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = str(final.parent / f".{final.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
     try:
         open(tmp, "xb").close()  # unlike mkstemp, honours the umask (readable by the group)
         write(tmp)
         digest = _fsync_and_hash(Path(tmp))
-        os.replace(tmp, final)
+        if exclusive:
+            os.link(tmp, final)
+            _remove(Path(tmp))
+        else:
+            os.replace(tmp, final)
     except BaseException:
         _remove(Path(tmp))
         raise
