@@ -9,7 +9,8 @@
 #
 # State lives in $CAST_PREFECT_DIR (default runs/prefect-local, gitignored): PREFECT_HOME (the
 # SQLite database), server.pid, worker.pid, port, server.log, worker.log. Analytics are off. The
-# port is $CAST_PREFECT_PORT (default 4200) when free, else any free one. The worker serves one
+# port is $CAST_PREFECT_PORT (default 4200) when free (a port in TIME-WAIT counts as free, as it
+# does for the server: the same port on an immediate re-run), else any free one. The worker serves one
 # flow run at a time and passes its environment (e.g. CAST_STORE) to the flow runs it starts.
 # Before the worker starts, cron runs that were missed by more than 10 minutes while no worker
 # ran are cancelled, so a stale nightly evaluation never competes with the run you asked for.
@@ -57,21 +58,9 @@ descendants() {
   for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do echo "$child"; descendants "$child"; done
 }
 
-free_port() {
-  "$VPY" - "${CAST_PREFECT_PORT:-4200}" <<'PY'
-import socket
-import sys
-
-for port in (int(sys.argv[1]), 0):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        print(s.getsockname()[1])
-        break
-PY
-}
+# the wanted port (CAST_PREFECT_PORT, default 4200) when the server could bind it, also while it
+# is in TIME-WAIT after the last server stopped; else any free port (scripts/free_port.py)
+free_port() { "$VPY" "$REPO/scripts/free_port.py" "${CAST_PREFECT_PORT:-4200}"; }
 
 start_server() {
   local pid port waited=0
