@@ -105,6 +105,10 @@ def _main(args: argparse.Namespace) -> int:
         _warn_excluded(con, store)
     except (duckdb.Error, ValueError) as e:
         print(f"cast: query failed: {e}", file=sys.stderr)
+        if f"{store.root}/tables/" in str(e):
+            print(f"cast: a table part may be damaged: `cast refresh --root {store.root}` leaves "
+                  f"unreadable parts out of the views, `cast verify --root {store.root}` names "
+                  f"what wrote them", file=sys.stderr)
         return 1
     finally:
         con.close()

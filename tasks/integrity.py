@@ -10,9 +10,9 @@ latest record speaks for it: a record whose table part a later record of the sam
 Before a training iteration k starts (`prepare_iteration`, run by every training stage's Prefect
 task through `guard_stage`), the run is checked against its pinned recipe and the current records
 of the run-level stages and of iteration k - 1 are checked. A damaged one is rebuilt by running
-its stage again on its recorded inputs, but only when the cache key computed now equals the
-recorded one (same recipe, same code, intact inputs) and the rebuilt output has exactly the
-recorded hash; otherwise `DamagedOutputError` names the files and the commands that repair them.
+its stage again on its recorded inputs (its cache key computed now must be the recorded one, up to
+a change of code version), and kept only if the rebuilt output has exactly the recorded hash;
+otherwise `DamagedOutputError` names the files and the commands that repair them.
 `cast verify` runs `verify_store` over every record (and `--repair` the same rebuilds).
 """
 
@@ -176,24 +176,26 @@ def repair(store: Store, recipe: Recipe, damaged: Sequence[RecordCheck]) -> list
 
 
 def rebuild(store: Store, recipe: Recipe, record: StageRecord) -> StageRef:
-    """Run a damaged record's stage again on its recorded inputs; NotRebuildable unless the key
-    computed now is the recorded one and the new output has the recorded hash."""
+    """Run a damaged record's stage again on its recorded inputs; NotRebuildable unless the new
+    output has exactly the recorded hash. The stage runs only if its cache key computed now is
+    the recorded one, or differs only as far as the code version can explain (the code changed
+    since: then the bytes decide). When the bytes differ, the old record is put back, so the
+    damage stays reported rather than replaced by a record the later stages were not built on."""
     if record.run_id != recipe.run.name:
         raise NotRebuildable(f"it belongs to run {record.run_id!r}, not the recipe's run "
                              f"{recipe.run.name!r}")
     key, run = _stage_call(store, recipe, record.stage, record.iteration)
-    if key != record.cache_key:
-        now = stage_protocol.code_version()
-        why = (f"the code changed since it was written (code version {record.code_version}, "
-               f"now {now})" if record.code_version != now else
-               "its cache key differs now (a cache-relevant setting such as sampling.chunk_size "
-               "or train.micro_batch changed, or an input file changed)")
-        raise NotRebuildable(why)
+    code_now = stage_protocol.code_version()
+    if key != record.cache_key and record.code_version == code_now:
+        raise NotRebuildable("its cache key differs now: a cache-relevant setting (such as "
+                             "sampling.chunk_size or train.micro_batch) or an input file changed")
     ref = run()
     if ref.content_hash != record.content_hash:
-        raise NotRebuildable("running the stage again gave other bytes than the recorded ones "
-                             "(a stage that is not bit-reproducible here), so the stages built "
-                             "on it no longer match")
+        store.restore_record(record, replacing=ref.cache_key)
+        changed = (f" with today's code (version {code_now}; it was written by "
+                   f"{record.code_version})" if record.code_version != code_now else "")
+        raise NotRebuildable(f"running the stage again{changed} gave other bytes than the "
+                             f"recorded ones, so the stages built on them would no longer match")
     return ref
 
 

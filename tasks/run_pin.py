@@ -49,20 +49,25 @@ class RunPin:
 def pin_recipe(store: Store, recipe: Recipe) -> RunPin:
     """The run's pin: recorded from `recipe` if the run has none, else checked against it;
     raises RecipeMismatch naming each differing field and how to start a new run."""
-    pin = read_pin(store, recipe.run.name)
-    if pin is None:
+    if read_pin(store, recipe.run.name) is None:
         row = {"run_id": recipe.run.name, "recipe_hash": recipe.pinned_hash(),
                "pinned_json": json.dumps(recipe.pinned(), sort_keys=True),
                "recipe_json": recipe.canonical_json(), "code_version": code_version(),
                "pinned_at": datetime.now(UTC)}
         try:
             store.write_table(TABLE, [row], recipe.run.name, exclusive=True)
-        except FileExistsError:  # another process pinned this run first
-            pin = read_pin(store, recipe.run.name)
-        else:
             return RunPin(row["run_id"], row["recipe_hash"], recipe.pinned(), row["pinned_at"],
                           created=True)
-    differences = pinned_differences(pin.pinned, recipe.pinned())
+        except FileExistsError:
+            pass  # another process pinned this run first: check against its pin
+    return check_pin(store, recipe)
+
+
+def check_pin(store: Store, recipe: Recipe) -> RunPin | None:
+    """The run's pin if it holds for `recipe` (None: not pinned yet); RecipeMismatch if not.
+    Writes nothing: for a check before a flow starts."""
+    pin = read_pin(store, recipe.run.name)
+    differences = pinned_differences(pin.pinned, recipe.pinned()) if pin else []
     if differences:
         raise RecipeMismatch(_mismatch_message(store, pin, differences))
     return pin
@@ -98,11 +103,12 @@ def pinned_differences(old: dict[str, dict[str, Any]],
 def _mismatch_message(store: Store, pin: RunPin, differences: list[tuple[str, Any, Any]]) -> str:
     fields = "\n".join(f"  {name}: {json.dumps(was)} (pinned) -> {json.dumps(now)} (this recipe)"
                        for name, was, now in differences)
-    first = differences[0][0]
+    restore = (f"restore {differences[0][0]}" if len(differences) == 1 else
+               "restore the fields listed")
     return (f"run {pin.run_id!r} in {store.root} is pinned to the recipe it started with "
             f"(pinned {pin.pinned_at:%Y-%m-%d %H:%M} UTC, hash {pin.recipe_hash[:16]}); this "
             f"recipe differs in fields that change results:\n{fields}\n"
             f"Continuing would mix two experiments under one run id. Start a new run instead: "
             f"give it a new name (--set run.name='\"{pin.run_id}-2\"' on the command line, or "
-            f"[run] name in the recipe), or restore {first} and the others listed. Threads, "
+            f"[run] name in the recipe), or {restore}. Threads, "
             f"devices, caches, timeouts and memory-only batch sizes may change freely.")

@@ -197,6 +197,19 @@ class Store:
         return self.write_table("stage_failures", [row],
                                 _stage_part(run_id, iteration, stage, cache_key))
 
+    def restore_record(self, record: StageRecord, replacing: str) -> None:
+        """Make `record` its stage's record again after a call under cache key `replacing`
+        wrote another (a rebuild whose output differed): that one is removed, `record` rewritten
+        as it was."""
+        other = self.root / "tables" / "stages" / (
+            _stage_part(record.run_id, record.iteration, record.stage, replacing) + ".parquet")
+        if replacing != record.cache_key:
+            _remove(other)
+        row = {**record.__dict__, "paths": list(record.paths),
+               "path_hashes": list(record.path_hashes) if record.path_hashes else None}
+        self.write_table("stages", [row], _stage_part(record.run_id, record.iteration,
+                                                      record.stage, record.cache_key))
+
     def stage_records(self, run_id: str | None = None) -> list[StageRecord]:
         """Every readable completion record (of one run, or all), oldest first."""
         rows = self.read_table("stages", {"run_id": run_id} if run_id else None).to_pylist()

@@ -15,6 +15,7 @@ import pytest
 from pipeline_helpers import CI_RECIPE, SMALL, reference, run_iteration
 
 from flows.cli import main
+from tasks import score_atoms
 from tasks.build_csgs import build_csgs_task
 from tasks.evaluate_checkpoint import evaluate_checkpoint
 from tasks.integrity import DamagedOutputError, current_records, prepare_iteration, verify_store
@@ -144,21 +145,47 @@ def test_a_truncated_part_is_rebuilt_before_the_next_iteration(store, recipe):
 
 
 def test_damage_that_cannot_be_rebuilt_stops_the_iteration_and_says_how_to_repair(
-        store, recipe, monkeypatch):
-    part = _scores_part(store, recipe, 1)
+        store, recipe):
+    part = store.root / "tables" / "rollouts" / f"{recipe.run.name}-00001.parquet"
     _truncate(part)
     damaged = part.read_bytes()
-    monkeypatch.setattr("tasks.stage.code_version", lambda: "0123456789abcdef")
+    changed = _changed(recipe, sampling={"chunk_size": 3})  # unpinned, but in the rollout's key
     csgs, window = _run_level(store, recipe)
     with pytest.raises(DamagedOutputError) as info:
-        rollout_task.fn(store, recipe, csgs, window, 2)
+        rollout_task.fn(store, changed, csgs, window, 2)
     message = str(info.value)
-    assert "iteration 1's score_atoms output is damaged" in message
+    assert "iteration 1's rollout output is damaged" in message
     assert f"{part.relative_to(store.root)}: sha256 differs from the recorded one" in message
-    assert "the code changed since it was written" in message and "now 0123456789abcdef" in message
+    assert "its cache key differs now" in message
     assert f"cast verify --repair --recipe RECIPE --root {store.root}" in message
     assert part.read_bytes() == damaged
-    assert store.read_table("rollouts", {"iteration": 2}).num_rows == 0  # iteration 2 never began
+    assert not part.with_name(f"{recipe.run.name}-00002.parquet").exists()  # never began
+
+
+def test_a_rebuild_with_other_bytes_is_not_kept(store, recipe, monkeypatch):
+    part = _scores_part(store, recipe, 1)
+    _truncate(part)
+    before = {r.cache_key: r for r in store.stage_records(recipe.run.name)}
+    real = score_atoms.score_in_chunks
+    monkeypatch.setattr(score_atoms, "score_in_chunks", lambda *a: [
+        (scores * 0.5, heat) for scores, heat in real(*a)])  # a scorer that changed its mind
+    with pytest.raises(DamagedOutputError, match="gave other bytes than the recorded ones"):
+        prepare_iteration(store, recipe, 2)
+    assert {r.cache_key: r for r in store.stage_records(recipe.run.name)} == before
+    assert [c.record.stage for c in verify_store(store) if c.status == "damaged"] == [
+        "score_atoms"]  # still reported, not replaced by a record nothing was built on
+
+
+def test_a_rebuild_under_changed_code_is_kept_when_its_bytes_match(store, recipe, monkeypatch):
+    part = _scores_part(store, recipe, 1)
+    original = _truncate(part)
+    monkeypatch.setattr("tasks.stage.code_version", lambda: "0123456789abcdef")
+    (ref,) = prepare_iteration(store, recipe, 2)
+    assert (ref.stage, ref.iteration) == ("score_atoms", 1) and part.read_bytes() == original
+    statuses = {(c.record.stage, c.record.code_version): c.status for c in verify_store(store)
+                if c.record.iteration == 1 and c.record.stage == "score_atoms"}
+    assert sorted(statuses.values()) == ["ok", "superseded"]
+    assert statuses[("score_atoms", "0123456789abcdef")] == "ok"
 
 
 def test_cast_verify_finds_the_damage_and_repair_rebuilds_it(store, recipe, finished, capsys):
@@ -183,7 +210,10 @@ def test_one_damaged_part_does_not_break_queries_on_other_runs(store, recipe, ca
     rows = store.read_table("atom_scores", {"iteration": 0}).to_pylist()
     store.write_table("atom_scores", [{**r, "run_id": "other"} for r in rows], "other-00000")
     good = store.read_table("atom_scores", {"iteration": 1}).num_rows
+    store.refresh_catalog()
     _truncate(_scores_part(store, recipe, 0))
+    assert main(["sql", "SELECT count(*) FROM atom_scores", "--root", str(store.root)]) == 1
+    assert "`cast refresh --root" in capsys.readouterr().err  # a catalog from before the damage
     store.refresh_catalog()
     con = store.connect_readonly()
     try:
