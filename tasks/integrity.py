@@ -12,8 +12,10 @@ task through `guard_stage`), the run is checked against its pinned recipe and th
 of the run-level stages and of iteration k - 1 are checked. A damaged one is rebuilt by running
 its stage again on its recorded inputs (its cache key computed now must be the recorded one, up to
 a change of code version), and kept only if the rebuilt output has exactly the recorded hash;
-otherwise `DamagedOutputError` names the files and the commands that repair them.
-`cast verify` runs `verify_store` over every record (and `--repair` the same rebuilds).
+otherwise `DamagedOutputError` names the files and the commands that repair them. Older
+iterations are left to `cast verify` (`verify_store` over every record; `--repair` runs the same
+rebuilds): rehashing a whole run before each of its iterations would grow with the run, while one
+iteration's outputs cost a fraction of a second for the shapes world (about 17 MB).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., st
 
     @functools.wraps(fn)
     def guarded(*args, **kwargs) -> StageRef:
-        from tasks.integrity import guard_stage  # it imports the stage modules
+        from tasks.integrity import guard_stage  # not at the top: it imports this module
 
         bound = signature.bind(*args, **kwargs).arguments
         guard_stage(bound["store"], bound["recipe"], stage, bound.get("iteration", RUN_LEVEL))

@@ -19,9 +19,11 @@ Views read their files at query time, so a part written after a refresh is alrea
 a table's first part needs a refresh (its view is empty until). A part whose Parquet footer cannot
 be read (a truncated or overwritten file) is left out of its table's view, which then lists the
 good parts by name, and out of `read_table` (with a warning); the `excluded_parts` view names what
-was left out, so one damaged file never breaks the queries on every other run. Read-only
-connections are locked down with DuckDB's own settings: no file access outside the store, no
-extensions, no ATTACH, configuration locked.
+was left out, so one damaged file does not break the queries on every other run (views are built
+at refresh: a part damaged after the last refresh breaks its table's queries until the next).
+Read-only connections are locked down with DuckDB's own settings: no file outside the store can be
+read or written, no extension installed or loaded, nothing spilled to disk, the configuration
+locked; a statement like COPY could still write under the store, so `cast sql` runs queries only.
 """
 
 from __future__ import annotations
