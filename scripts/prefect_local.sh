@@ -173,9 +173,17 @@ stop_one() {
   kill -TERM $pids 2>/dev/null || true
   while :; do
     local alive=""
+    if running "$pid"; then  # a worker may start a flow run while it stops: stop that one too
+      for p in $(descendants "$pid"); do
+        case " $pids " in
+          *" $p "*) ;;
+          *) pids="$pids $p"; kill -TERM "$p" 2>/dev/null || true ;;
+        esac
+      done
+    fi
     for p in $pids; do running "$p" && alive="$alive $p"; done
     [ -z "$alive" ] && break
-    if [ "$waited" -ge "$STOP_TIMEOUT" ]; then
+    if [ "$waited" -ge $((2 * STOP_TIMEOUT)) ]; then  # waited counts half seconds
       say "$name still running after ${STOP_TIMEOUT}s (pids$alive): SIGKILL"
       kill -KILL -- "-$pid" 2>/dev/null || true
       # shellcheck disable=SC2086
