@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from cast_core.backbones.shapes import ShapesBackbone
+from cast_core.backbones.shapes import BACKBONE_FILE, ShapesBackbone
+from cast_core.backbones.source import source_problem
 from cast_core.metrics import summarise_by_atom_type, summarise_by_tag
 from cast_core.shapes.prompts import load_prompt_file
 from cast_core.shapes.sensitivity import WORD_TYPES, format_sensitivity, swap_word, word_sensitivity
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    problem = source_problem(args.checkpoint, "--checkpoint", BACKBONE_FILE, hub_allowed=False)
+    if problem:
+        raise SystemExit(f"base_eval: {problem}")
     backbone = ShapesBackbone.from_pretrained(args.checkpoint).eval()
     if args.sensitivity:
         for split in args.splits:

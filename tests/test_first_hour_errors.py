@@ -126,3 +126,11 @@ def test_loaders_raise_the_folder_error_not_the_hub_error(tmp_path, monkeypatch)
         with pytest.raises(ModelSourceError, match="no such folder") as caught:
             loader.from_pretrained("data/base/flux-missing")
         assert "Repo id" not in str(caught.value)
+
+
+def test_base_eval_names_a_missing_checkpoint_folder(monkeypatch):
+    from flows.base_eval import main
+
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit, match="did you mean data/base/shapes-base"):
+        main(["--checkpoint", "data/base/shapes-bas", "--splits", "eval"])
