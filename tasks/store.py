@@ -135,16 +135,17 @@ class Store:
         which stage wrote it and how to rebuild it)."""
         schema = table_spec(table).schema
         files = self.parts(table)
-        damaged = [f for f in files if not parquet_readable(f)]
+        try:
+            return _read_parts(files, schema, filters)
+        except Exception:  # re-raised below unless a damaged part explains it
+            damaged = [f for f in files if not parquet_readable(f)]
+            if not damaged:
+                raise
         for f in damaged:
             warnings.warn(f"{f}: not a readable Parquet file, left out of {table!r}; run `cast "
                           f"verify --root {self.root}` to see what wrote it and how to rebuild it",
                           DamagedPartWarning, stacklevel=2)
-        files = [f for f in files if f not in damaged]
-        if not files:
-            return schema.empty_table()
-        dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
-        return dataset.to_table(filter=_expression(filters))
+        return _read_parts([f for f in files if f not in damaged], schema, filters)
 
     def put_blob(self, data: bytes, ext: str) -> BlobRef:
         """Store bytes at `blobs/<hh>/<sha256>.<ext>`; the same bytes always give the same ref."""
@@ -349,7 +350,7 @@ def parquet_readable(path: str | os.PathLike) -> bool:
     not. Cheap: the data pages are not read (`cast verify` checks whole files' hashes)."""
     try:
         pq.read_metadata(path)
-    except Exception:  # noqa: BLE001 (a damaged footer fails in many ways: OSError, Arrow, Unicode)
+    except Exception:  # noqa: BLE001 (a damaged footer fails as OSError, Arrow or Unicode errors)
         return False
     return True
 
@@ -362,6 +363,13 @@ def _excluded_view_sql(excluded: Sequence[tuple[str, str]]) -> str:
     return (f"CREATE VIEW excluded_parts AS {source}; COMMENT ON VIEW excluded_parts IS "
             f"'Table parts left out of the views: their Parquet footer does not read (cast verify "
             f"names the stage that wrote each)'")
+
+
+def _read_parts(files: Sequence[Path], schema: pa.Schema, filters: Filters) -> pa.Table:
+    if not files:
+        return schema.empty_table()
+    dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
+    return dataset.to_table(filter=_expression(filters))
 
 
 def _expression(filters: Filters) -> pc.Expression | None:
