@@ -14,7 +14,7 @@ suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window
 cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
 cast-no-map-fixed-window; per-atom vs scalar credit, which in cast-no-map-fixed-window - flowgrpo
 comes with the per-position ratio instead of the all-dims one: no arm changes the ratio alone; and
-the four `FIXES`); suite `recast` adds the ReCAST pairs (recast-equal against cast, recast-skewed
+the `FIXES`); suite `recast` adds the ReCAST pairs (recast-equal against cast, recast-skewed
 against static-skewed at budgets `SKEWED`). `--arms` picks any arms of any suite, flowgrpo among
 them.
 
@@ -143,7 +143,10 @@ FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
          ("cast-tight-clip", {"train.clip_range": 0.01},
           "cast with per-position clip range 0.01 instead of 0.032"),
          ("cast-peak-norm", {"advantage.heatmap_norm": "peak"},
-          "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"))
+          "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"),
+         ("cast-group-heatmaps", {"advantage.heatmap_source": "group_others"},
+          "cast with each sample's credit through its group's other samples' heatmaps, which "
+          "do not depend on its own actions, instead of its own"))
 # ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
 RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
 # One change at a time: (arm, reference arm, what the arm changes). Each row of the report's

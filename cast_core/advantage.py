@@ -53,6 +53,25 @@ Departures from the CAST paper's map: we average over atoms (1/|A_valid|) instea
 scale does not grow with the atom count (before the global term and the clamp the spatial mean of
 M is A_bar); the global term (pixels no atom covers still get the sample's overall credit) is ours.
 
+Heatmap source (`heatmap_source`, ours). With "own" (the CAST paper's) a sample's credit at u
+comes from its own heatmaps; with "group_others" each sample's heatmap of atom a is replaced by
+the mean over the *other* G - 1 samples of its group of their peak-normalised heatmaps of a (an
+all-zero heatmap counts as uniform, as above):
+    H_a^(g)(u)  <-  1/(G - 1) sum_{g' != g} Hn_a^(g')(u).
+Why: at a window step the policy factorises over positions, pi(x) = prod_u pi_u(x_u | s), and the
+estimator sum_u c_u grad log pi_u(x_u | s) has the expectation sum_u grad_u E[c_u], where grad_u
+moves only position u's action distribution and c_u is treated as that position's reward. With
+c_u = A H~(u) and H~ drawn by the sample's own pixels, H~(u) depends on the action at u itself:
+position u is rewarded for *being inside the heatmap* when A > 0 and for leaving it when A < 0,
+i.e. "grow the objects of above-mean atoms, erase those of below-mean ones", whatever the atom
+depends on (a count atom that fails with one square drawn teaches the policy to erase that
+square). The other samples' heatmaps do not depend on this sample's actions (given the group's
+starting state), so E[c_u | s, x_u] = H_bar(u) E[A | s, x_u] and the estimator becomes
+sum_u H_bar(u) grad_u E[A]: the exact per-position gradient reweighted by a non-negative,
+action-independent prior (unbiased up to that reweighting, like the scalar estimator with
+H_bar = 1). It needs G >= 2; with `sampling.shared_noise` the group's layouts share one starting
+noise, so H_bar is sharp where the group agrees. Measured on the shapes world in issue 17.
+
 Group maps (e.g. one per atom type, for ReCAST's per-reward step weights): with each valid atom in
 one group T, group T's share of M before the clamp is
     M_T(u) = (1/|A_valid|) sum_{a in T} A_a [H~_a(u) + global_weight * (1 - coverage(u))],
@@ -79,6 +98,7 @@ from torch import Tensor
 
 HeatmapNorm = Literal["mass", "peak"]
 AtomNorm = Literal["atom", "pooled"]
+HeatmapSource = Literal["own", "group_others"]
 
 
 @dataclass(frozen=True)
@@ -270,6 +290,28 @@ def _grouped_maps(
     atom_term = torch.einsum("nat,nahw->nthw", w, h_tilde)  # [N, T, H, W]
     uncovered = global_weight * (1.0 - coverage)[:, None]  # [N, 1, H, W]
     return atom_term + uncovered * w.sum(dim=1)[:, :, None, None], coverage
+
+
+def group_heatmaps(heatmaps: Tensor, source: HeatmapSource) -> Tensor:
+    """The heatmaps each sample's map is built from: heatmaps [B, G, A, H, W] (>= 0) ->
+    [B, G, A, H, W]. "own" returns them unchanged; "group_others" replaces sample g's heatmap of
+    atom a by the mean of the other samples' peak-normalised heatmaps of a (module docstring)."""
+    if heatmaps.dim() != 5:
+        raise ValueError(f"need heatmaps [B, G, A, H, W]; got {tuple(heatmaps.shape)}")
+    if source == "own":
+        return heatmaps
+    if source != "group_others":
+        raise ValueError(f"heatmap_source must be 'own' or 'group_others'; got {source!r}")
+    g = heatmaps.shape[1]
+    if g < 2:
+        raise ValueError(f"heatmap_source 'group_others' needs a group of >= 2 samples; got G = {g}"
+                         f" (set prompts.group_size >= 2 or heatmap_source = 'own')")
+    if not torch.isfinite(heatmaps).all() or (heatmaps < 0).any():
+        raise ValueError("heatmaps must be finite and >= 0; clamp the scorer's maps")
+    peak = heatmaps.amax(dim=(-2, -1), keepdim=True)  # [B, G, A, 1, 1]
+    hn = torch.where(peak > 0, heatmaps / peak.clamp_min(torch.finfo(heatmaps.dtype).tiny),
+                     1.0)  # [B, G, A, H, W]
+    return (hn.sum(dim=1, keepdim=True) - hn) / (g - 1)  # [B, G, A, H, W]
 
 
 def pixel_advantage_map(

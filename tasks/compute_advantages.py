@@ -15,6 +15,9 @@ The blob holds, row i = the sample's `blob_index` (N samples, h x w log-prob gri
 All are always computed, so a run of one recipe can be inspected against the others;
 `advantage.kind` decides which one the training stage uses. Gating (`advantage.gate_by_parents`)
 zeroes a child atom's credit where a parent atom scored < 0.5.
+With `advantage.heatmap_source = "group_others"` each sample's maps are built from the mean of
+its group's other samples' heatmaps (`group_heatmaps`); the stored atom_scores keep every
+sample's own heatmap.
 Cached on the atom scores' content hash, the rollout's and the advantage section.
 """
 
@@ -32,6 +35,7 @@ from cast_core.advantage import (
     atom_mean_credit,
     atom_reward,
     gate_by_parents,
+    group_heatmaps,
     grouped_advantage_maps,
     pixel_advantage_map,
     pool_to_grid,
@@ -113,7 +117,7 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
         rewards = atom_reward(s, mask, cfg.reward)  # [B, G]
         scalar = scalar_advantages(rewards, cfg.scalar_mode, cfg.std_floor)
         flat_a = a.reshape(b * g, a_max).float()  # [N, A]
-        flat_heat = heat.reshape(b * g, a_max, hh, ww)  # [N, A, H, W]
+        flat_heat = group_heatmaps(heat, cfg.heatmap_source).reshape(b * g, a_max, hh, ww)
         flat_mask = mask.repeat_interleave(g, 0)  # [N, A]
         pix = pixel_advantage_map(flat_a, flat_heat, flat_mask, cfg.global_weight, cfg.clip,
                                   cfg.heatmap_norm, cfg.spatial_mix)

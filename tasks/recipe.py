@@ -199,9 +199,12 @@ class AdvantageSection(_Section):
     the prompt's pooled atom spread, so nearly decided atoms get nearly no credit and the mean
     over atoms is Flow-GRPO's advantage up to a per-prompt factor); `spatial_mix` in [0, 1]: the
     share of each atom's credit projected through its heatmap, the rest spread uniformly (1 =
-    the paper's map, 0 = no projection)."""
+    the paper's map, 0 = no projection); `heatmap_source` "own" (each sample's credit through
+    its own heatmaps, the paper's) or "group_others" (through the mean of the other samples' of its
+    group, which do not depend on the sample's own actions; `cast_core.advantage`, issue 17)."""
 
-    hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm", "atom_norm", "spatial_mix")
+    hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm", "atom_norm", "spatial_mix",
+                                              "heatmap_source")
 
     kind: Literal["spatial", "scalar", "atom"]
     gate_by_parents: bool = True
@@ -213,6 +216,7 @@ class AdvantageSection(_Section):
     heatmap_norm: Literal["mass", "peak"] = "mass"
     atom_norm: Literal["atom", "pooled"] = "atom"
     spatial_mix: float = Field(1.0, ge=0.0, le=1.0)
+    heatmap_source: Literal["own", "group_others"] = "own"
 
 
 class TrainSection(_Section):

@@ -10,6 +10,7 @@ from cast_core.advantage import (
     atom_mean_credit,
     atom_reward,
     gate_by_parents,
+    group_heatmaps,
     grouped_advantage_maps,
     pixel_advantage_map,
     pool_to_grid,
@@ -346,3 +347,50 @@ def test_spatial_mix_interpolates_between_the_map_and_the_constant_credit():
     torch.testing.assert_close(mixed.mean(dim=(-2, -1)), adv.mean(dim=1))
     with pytest.raises(ValueError, match="spatial_mix"):
         pixel_advantage_map(adv, heat, mask, 0.0, 5.0, spatial_mix=1.5)
+
+
+def test_group_heatmaps_own_is_identity_and_others_is_the_leave_one_out_mean():
+    torch.manual_seed(0)
+    heat = torch.rand(2, 3, 2, 4, 5) * 3.0  # [B, G, A, H, W], peaks != 1
+    assert group_heatmaps(heat, "own") is heat
+    out = group_heatmaps(heat, "group_others")
+    hn = heat / heat.amax(dim=(-2, -1), keepdim=True)
+    for b in range(2):
+        for g in range(3):
+            others = [hn[b, o] for o in range(3) if o != g]
+            torch.testing.assert_close(out[b, g], (others[0] + others[1]) / 2)
+
+
+def test_group_heatmaps_others_do_not_depend_on_the_sample_itself():
+    torch.manual_seed(1)
+    heat = torch.rand(1, 4, 3, 6, 6)
+    changed = heat.clone()
+    changed[0, 2] = torch.rand(3, 6, 6) * 7.0  # sample 2 draws something else
+    a, b = group_heatmaps(heat, "group_others"), group_heatmaps(changed, "group_others")
+    torch.testing.assert_close(a[0, 2], b[0, 2])  # its own credit map is unchanged
+    assert not torch.allclose(a[0, 0], b[0, 0])  # the others' maps see it
+
+
+def test_group_heatmaps_zero_counts_as_uniform_and_two_samples_swap():
+    heat = torch.zeros(1, 2, 1, 2, 2)
+    heat[0, 0, 0, 0, 0] = 0.5  # sample 0: one pixel; sample 1: all zero (ungrounded)
+    out = group_heatmaps(heat, "group_others")
+    torch.testing.assert_close(out[0, 0, 0], torch.ones(2, 2))
+    torch.testing.assert_close(out[0, 1, 0], torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    # identical heatmaps across the group give the same map as the samples' own
+    same = torch.rand(1, 1, 2, 3, 3).expand(1, 4, 2, 3, 3).contiguous()
+    adv = torch.randn(4, 2)
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    own = pixel_advantage_map(adv, same.view(4, 2, 3, 3), mask, 0.0, 5.0).map
+    others = pixel_advantage_map(adv, group_heatmaps(same, "group_others").view(4, 2, 3, 3), mask,
+                                 0.0, 5.0).map
+    torch.testing.assert_close(own, others)
+
+
+def test_group_heatmaps_rejects_single_sample_groups_and_unknown_sources():
+    with pytest.raises(ValueError, match="G = 1"):
+        group_heatmaps(torch.ones(2, 1, 1, 2, 2), "group_others")
+    with pytest.raises(ValueError, match="heatmap_source"):
+        group_heatmaps(torch.ones(2, 2, 1, 2, 2), "mine")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        group_heatmaps(-torch.ones(2, 2, 1, 2, 2), "group_others")

@@ -390,3 +390,41 @@ def test_lr_warm_up_sets_and_records_each_optimizer_steps_lr(ref, tmp_path):
     steps = sorted(store.read_table("train_steps", {"iteration": 0}).to_pylist(),
                    key=lambda r: r["step"])
     assert [s["lr"] for s in steps] == pytest.approx([warm.train.lr / 4, warm.train.lr / 2])
+
+
+def test_group_others_heatmaps_build_each_map_from_the_other_samples(ref, tmp_path):
+    """advantage.heatmap_source = "group_others" on a copy of the reference store: only the
+    advantages and the training rerun; each stored map is the pixel map of the sample's stored
+    (gated) atom advantages through the mean of its group's *other* samples' heatmaps, which
+    differs from the map through its own."""
+    from cast_core.advantage import group_heatmaps, pixel_advantage_map
+
+    src, _, prompts, _ = ref
+    shutil.copytree(src.root, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    recipe = ci_recipe(prompts, **{"advantage.heatmap_source": "group_others"})
+    again = run_iteration(store, recipe, 0)
+    assert all(again[s].skipped for s in ("rollout", "score_atoms"))
+    assert not again["compute_advantages"].skipped and not again["train_epoch"].skipped
+    g, cfg = recipe.prompts.group_size, recipe.advantage
+    heat, adv = defaultdict(dict), defaultdict(dict)
+    for r in _rows(store, "atom_scores"):
+        heat[r["prompt_id"]][(r["sample_index"], r["atom_id"])] = torch.tensor(
+            r["heatmap"], dtype=torch.float32).view(r["heatmap_h"], r["heatmap_w"])
+    for r in _rows(store, "advantages"):
+        adv[r["prompt_id"]][(r["sample_index"], r["atom_id"])] = r["advantage"]
+    rows = _rows(store, "advantage_maps")
+    maps = store.get_tensors(rows[0]["map_path"])["maps"]
+    own_maps = src.get_tensors(_rows(src, "advantage_maps")[0]["map_path"])["maps"]
+    for pid in {r["prompt_id"] for r in rows}:
+        atoms = sorted({a for _, a in heat[pid]})
+        h = torch.stack([torch.stack([heat[pid][(s, a)] for a in atoms]) for s in range(g)])
+        a = torch.tensor([[adv[pid][(s, at)] for at in atoms] for s in range(g)])
+        mask = torch.ones(g, len(atoms), dtype=torch.bool)
+        expected = pixel_advantage_map(a, group_heatmaps(h[None], "group_others")[0], mask,
+                                       cfg.global_weight, cfg.clip, cfg.heatmap_norm,
+                                       cfg.spatial_mix).map
+        index = [next(r["blob_index"] for r in rows if r["prompt_id"] == pid
+                      and r["sample_index"] == s) for s in range(g)]
+        torch.testing.assert_close(maps[index], expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(maps, own_maps, atol=1e-4)
