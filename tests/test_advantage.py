@@ -1,5 +1,6 @@
 """Atom and scalar advantages, gating, pixel maps and grid pooling against closed forms."""
 
+import itertools
 import math
 
 import pytest
@@ -394,3 +395,43 @@ def test_group_heatmaps_rejects_single_sample_groups_and_unknown_sources():
         group_heatmaps(torch.ones(2, 2, 1, 2, 2), "mine")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=">= 0"):
         group_heatmaps(-torch.ones(2, 2, 1, 2, 2), "group_others")
+
+
+def _expected_credit_gradient(q: float, source: str, g: int = 2) -> torch.Tensor:
+    """Exact E[sum_g sum_u M_g(u) d log pi_u / d theta_u] [2] for a two-pixel world: each pixel is
+    "on" with probability q = sigmoid(theta_u) independently (d log pi_u / d theta_u = x_u - q),
+    one count atom "exactly one object pixel" (score 1 or 0), heatmap = the on pixels (none on:
+    all zero, which the map treats as uniform). Enumerates every group of g samples."""
+    configs = list(itertools.product([0, 1], repeat=2))
+    out = torch.zeros(2, dtype=torch.float64)
+    for joint in itertools.product(configs, repeat=g):
+        x = torch.tensor(joint, dtype=torch.float64)  # [G, 2]
+        prob = torch.prod(torch.where(x > 0, q, 1 - q))
+        score = (x.sum(1) == 1).double()  # [G]
+        adv = atom_advantages(score[None, :, None], torch.ones(1, 1, dtype=torch.bool)).advantages
+        heat = group_heatmaps(x[None, :, None, None, :], source)[0]  # [G, 1, 1, 2]
+        m = pixel_advantage_map(adv[0], heat, torch.ones(g, 1, dtype=torch.bool), 0.0, 100.0).map
+        out += prob * (m[:, 0] * (x - q)).sum(0)
+    return out
+
+
+@pytest.mark.parametrize("q", [0.5, 0.7, 0.3])
+def test_own_heatmaps_bias_the_policy_gradient_and_the_group_others_do_not(q):
+    """Closed form (cast_core.advantage, "Heatmap source"): E[score] = 2 q (1 - q) has the
+    per-pixel gradient q (1 - q)(1 - 2 q) (0 at its maximum q = 1/2). With the other sample's
+    heatmap (mass-normalised, E = 1 per pixel) and G = 2 z-scores (A = score - other score) the
+    expected credit gradient is exactly 2x the true one. With each sample's own heatmap a pixel
+    is credited for being on when the atom held: at q = 1/2 it pushes every pixel on with
+    expectation 1/4 (hand-derived: (1/4)(1/4 + 1/2 + 0 - 1/4) per sample, two samples), and at
+    q = 0.7 it has the wrong sign: it grows the objects past the count."""
+    truth = q * (1 - q) * (1 - 2 * q)
+    others = _expected_credit_gradient(q, "group_others")
+    torch.testing.assert_close(others, torch.full((2,), 2 * truth, dtype=torch.float64),
+                               atol=1e-6, rtol=0)
+    own = _expected_credit_gradient(q, "own")
+    assert (own > 0).all()  # more object pixels, whatever the atom needs
+    if q == 0.5:
+        torch.testing.assert_close(own, torch.full((2,), 0.25, dtype=torch.float64), atol=1e-6,
+                                   rtol=0)
+    if q == 0.7:
+        assert truth < 0  # the truth: fewer pixels on
