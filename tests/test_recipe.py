@@ -241,7 +241,8 @@ def test_a_later_field_at_its_default_leaves_the_stage_keys_unchanged():
     import hashlib
     import json
 
-    defaults = {"advantage.atom_norm": "atom", "advantage.spatial_mix": 1.0}
+    defaults = {"advantage.atom_norm": "atom", "advantage.spatial_mix": 1.0,
+                "advantage.heatmap_source": "own"}
     recipe = load_recipe(RECIPES / "shapes-cast.toml", defaults)
     dump = recipe.model_dump(mode="json")["advantage"]
     assert dump["heatmap_norm"] == "mass"
