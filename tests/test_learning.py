@@ -15,6 +15,8 @@ the rollouts' mean object score went 0.81, 0.49, 0.48, 0.80, 0.18, ... 0.94, 0.9
 iteration moved the policy 1-11 nats a sample and window step (`checkpoints.update_kl_nats`), so
 the margin is not robust; CAST (pooled atoms, half the credit through the heatmaps) moved it
 0.3-3.6 nats an iteration and reached +0.052, the gap issue 17 keeps open (expected failure).
+With the group's other samples' heatmaps and the full map (the recipe since issue 17's fix of
+CAST's fall on the pool) it went 0.668 -> 0.648: still an expected failure.
 """
 
 import json
@@ -71,8 +73,9 @@ def train_and_evaluate(store: Store, recipe, iterations: int) -> tuple[float, fl
     return mean_score(store, recipe, -1), mean_score(store, recipe, iterations - 1)
 
 
-CAST_GAP = ("measured 0.668 -> 0.721 (+0.052) on 2026-12-03: CAST does not yet overfit one prompt "
-            "in 12 iterations (issue 17, open)")
+CAST_GAP = ("measured on 2026-12-03: 0.668 -> 0.721 (+0.052) with own heatmaps and spatial_mix 0.5; "
+            "0.668 -> 0.648 (-0.020) with the recipe's group_others heatmaps and the full map: "
+            "CAST does not yet overfit one prompt in 12 iterations (issue 17, open)")
 
 
 @pytest.mark.slow
