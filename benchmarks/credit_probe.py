@@ -1,0 +1,162 @@
+"""In-memory credit probe: one credit rule at a time on the fixed pool, no store and no Prefect.
+
+    .venv/bin/python benchmarks/credit_probe.py --credit map --heatmaps others [--seed 0]
+        [--iterations 12] [--lr 1e-3] [--spatial-mix 1.0] [--own-types object,count]
+
+Run it from the repository root. It is the loop of issue 17's in-memory probes, kept so that
+their figures can be reproduced: the committed base model with a fresh LoRA (rank 8), the 32 pool
+prompts (data/prompts/pool.jsonl) cycled 8 at a time, 16 samples a prompt with one starting noise
+per group, 10 steps, CFG 4, a Flow-SDE window [0, 3) at noise 0.7, the exact verifier, pooled atom
+advantages gated by parents (global weight 0, clip 5), and `policy_update` with 2 inner epochs x 2
+optimizer steps (AdamW, no warm-up). Credits (`--credit`):
+- scalar: Flow-GRPO's group z-score of the mean atom score, all-dims ratio, clip 1e-3;
+- const: the sample's mean atom credit as a constant map (per-position ratio, clip 0.032);
+- map: the pixel map (`pixel_advantage_map`, mass-normalised) through `--heatmaps` own (each
+  sample's own, the CAST paper's) or others (`group_heatmaps(..., "group_others")`); atom types
+  outside `--own-types` get a uniform heatmap instead (default: every type keeps its heatmap).
+Every `--every` iterations it prints the probe: the pool x 4 images with fixed noise (seeds
+10_000_000 + i, the same for every arm, seed and checkpoint), mean atom score and strict accuracy;
+after each iteration the rollouts' mean score and the last optimizer step's policy KL (nats per
+sample and window step). The figures of the README's "Why CAST fell" table are these lines at
+1536 samples (12 iterations), seeds 0-2, one torch thread per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from cast_core.advantage import (
+    atom_advantages,
+    atom_mean_credit,
+    atom_reward,
+    gate_by_parents,
+    group_heatmaps,
+    pixel_advantage_map,
+    scalar_advantages,
+)
+from cast_core.backbones.shapes import ShapesBackbone
+from cast_core.csg_parser import graph_from_geneval
+from cast_core.policy import PolicyConfig, add_lora, policy_update
+from cast_core.rollout import RolloutSpec, rollout
+from cast_core.sampling import sample_ode
+from cast_core.shapes.verifier import verify
+from cast_core.window import SdeWindow
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE, POOL = ROOT / "data/base/shapes-base", ROOT / "data/prompts/pool.jsonl"
+PROBE_SEED = 10_000_000
+STEPS, CFG, NOISE = 10, 4.0, 0.7
+
+
+def parents(graph) -> torch.Tensor:
+    """[A, A] bool: atom i has atom j as a direct parent."""
+    atoms = graph.atoms()
+    ids = [a.id for a in atoms]
+    out = torch.zeros(len(atoms), len(atoms), dtype=torch.bool)
+    for i, a in enumerate(atoms):
+        for p in a.parents:
+            out[i, ids.index(p)] = True
+    return out
+
+
+def credit(args, results, graphs, b: int, g: int) -> tuple[torch.Tensor, float]:
+    """(advantages: [N] scalar or [N, H, W] map, mean rollout score) of one iteration's samples."""
+    a_max = max(len(gr.atoms()) for gr in graphs)
+    hh, ww = results[0].heatmaps.shape[-2:]
+    scores = torch.zeros(b, g, a_max, dtype=torch.float64)
+    heat = torch.ones(b, g, a_max, hh, ww)
+    mask = torch.zeros(b, a_max, dtype=torch.bool)
+    par = torch.zeros(b, a_max, a_max, dtype=torch.bool)
+    keep = None if args.own_types is None else set(args.own_types.split(","))
+    for bi in range(b):
+        atoms = graphs[bi * g].atoms()
+        n = len(atoms)
+        mask[bi, :n] = True
+        par[bi, :n, :n] = parents(graphs[bi * g])
+        for gi in range(g):
+            r = results[bi * g + gi]
+            scores[bi, gi, :n] = torch.from_numpy(r.scores.astype("float64"))
+            for ai, atom in enumerate(atoms):
+                if keep is None or atom.type in keep:
+                    heat[bi, gi, ai] = torch.from_numpy(r.heatmaps[ai])
+    rewards = atom_reward(scores, mask, "mean")  # [B, G]
+    if args.credit == "scalar":
+        return scalar_advantages(rewards, "group").advantages.reshape(-1).float(), float(
+            rewards.mean())
+    adv = gate_by_parents(atom_advantages(scores, mask, 1e-4, "pooled").advantages, scores, par)
+    flat_a, flat_m = adv.reshape(b * g, a_max).float(), mask.repeat_interleave(g, 0)
+    if args.credit == "const":
+        c = atom_mean_credit(flat_a, flat_m, 5.0)  # [N]
+        return c[:, None, None].expand(-1, hh, ww).contiguous(), float(rewards.mean())
+    source = "own" if args.heatmaps == "own" else "group_others"
+    h = group_heatmaps(heat, source).reshape(b * g, a_max, hh, ww)
+    m = pixel_advantage_map(flat_a, h, flat_m, 0.0, 5.0, "mass", args.spatial_mix).map
+    return m, float(rewards.mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--credit", choices=("scalar", "const", "map"), default="map")
+    ap.add_argument("--heatmaps", choices=("own", "others"), default="others")
+    ap.add_argument("--own-types", default=None,
+                    help="comma list of atom types that keep their heatmap (others uniform)")
+    ap.add_argument("--spatial-mix", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--every", type=int, default=4, help="probe every N iterations")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    b, g = 8, 16
+    name = (f"{args.credit}" + (f"-{args.heatmaps}" if args.credit == "map" else "")
+            + f"-lr{args.lr}-s{args.seed}")
+
+    backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
+    torch.manual_seed(args.seed)
+    params = add_lora(backbone, 8, 8.0)
+    pool = [json.loads(line) for line in POOL.read_text().splitlines() if line.strip()]
+    graphs = [graph_from_geneval(r) for r in pool]
+    probe_prompts = [r["prompt"] for r in pool for _ in range(4)]
+    probe_graphs = [gr for gr in graphs for _ in range(4)]
+    probe_seeds = [PROBE_SEED + i for i in range(len(probe_prompts))]
+    spec = RolloutSpec(STEPS, CFG, NOISE, "flow_sde", SdeWindow(0, 3))
+    kind = "scalar" if args.credit == "scalar" else "spatial"
+    config = PolicyConfig(kind, 1e-3 if kind == "scalar" else 0.032, kl_beta=0.0, inner_epochs=2,
+                          micro_batch=64, steps_per_epoch=2)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0)
+    start = time.time()
+
+    def probe(k: int) -> None:
+        with torch.no_grad():
+            x = sample_ode(backbone, probe_prompts, probe_seeds, STEPS, CFG)
+            res = verify(backbone.decode(x), probe_graphs)
+        mean = sum(float(r.scores.mean()) for r in res) / len(res)
+        strict = sum(float((r.scores > 0.5).all()) for r in res) / len(res)
+        print(f"{name} it {k} samples {(k + 1) * b * g} probe {mean:.4f} strict {strict:.3f} "
+              f"wall {time.time() - start:.0f}", flush=True)
+
+    probe(-1)
+    for k in range(args.iterations):
+        idx = [(k * b + j) % len(pool) for j in range(b)]
+        prompts = [pool[i]["prompt"] for i in idx for _ in range(g)]
+        batch_graphs = [graphs[i] for i in idx for _ in range(g)]
+        seeds = [args.seed * 10**7 + k * 10**4 + i for i in range(b * g)]
+        shared = [seeds[(i // g) * g] for i in range(b * g)]  # one starting noise per group
+        ro = rollout(backbone, prompts, seeds, spec, noise_seeds=shared)
+        results = verify(backbone.decode(ro.x0), batch_graphs)
+        adv, train_score = credit(args, results, batch_graphs, b, g)
+        last = policy_update(backbone, opt, prompts, ro, spec, adv, config, shuffle_seed=k)[-1]
+        print(f"{name} it {k} train {train_score:.4f} clip {last.clip_fraction:.3f} "
+              f"policy_kl_nats {last.policy_kl_nats:.3f}", flush=True)
+        if (k + 1) % args.every == 0:
+            probe(k)
+
+
+if __name__ == "__main__":
+    main()
