@@ -137,8 +137,7 @@ LATE_WINDOW = {"window.mode": "fixed", "window.start": 6, "window.size": 3}
 FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
           "cast with per-atom z-scores (the paper's) instead of the pooled atom spread"),
          ("cast-half-map", {"advantage.spatial_mix": 0.5},
-          "cast with half of each atom's credit through its heatmap, half uniform (spatial_mix "
-          "0.5)"),
+          "cast with half of each atom's credit through its heatmap, half uniform (mix 0.5)"),
          ("cast-std-floor", {"advantage.std_floor": 0.1},
           "cast with atom group std floored at 0.1 (near-tied atoms get small advantages)"),
          ("cast-tight-clip", {"train.clip_range": 0.01},
@@ -146,8 +145,8 @@ FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
          ("cast-peak-norm", {"advantage.heatmap_norm": "peak"},
           "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"),
          ("cast-own-heatmaps", {"advantage.heatmap_source": "own"},
-          "cast with each sample's credit through its own heatmaps (the paper's), which its own "
-          "actions drew, instead of its group's other samples'"))
+          ("cast with each sample's credit through its own heatmaps (the paper's), which its "
+           "own actions drew, instead of its group's other samples'")))
 # ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
 RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
 # One change at a time: (arm, reference arm, what the arm changes). Each row of the report's
