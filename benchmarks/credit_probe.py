@@ -41,7 +41,7 @@ from cast_core.advantage import (
 )
 from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.csg_parser import graph_from_geneval
-from cast_core.policy import PolicyConfig, add_lora, policy_update
+from cast_core.policy import PolicyConfig, add_lora, linear_warmup_lr, policy_update
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.sampling import sample_ode
 from cast_core.shapes.verifier import verify
@@ -86,8 +86,8 @@ def credit(args, results, graphs, b: int, g: int) -> tuple[torch.Tensor, float]:
                     heat[bi, gi, ai] = torch.from_numpy(r.heatmaps[ai])
     rewards = atom_reward(scores, mask, "mean")  # [B, G]
     if args.credit == "scalar":
-        return scalar_advantages(rewards, "group").advantages.reshape(-1).float(), float(
-            rewards.mean())
+        adv = scalar_advantages(rewards, args.adv_std).advantages
+        return adv.reshape(-1).float(), float(rewards.mean())
     adv = gate_by_parents(atom_advantages(scores, mask, 1e-4, "pooled").advantages, scores, par)
     flat_a, flat_m = adv.reshape(b * g, a_max).float(), mask.repeat_interleave(g, 0)
     if args.credit == "const":
@@ -111,26 +111,48 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--every", type=int, default=4, help="probe every N iterations")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps-per-epoch", type=int, default=2)
+    ap.add_argument("--inner-epochs", type=int, default=2)
+    ap.add_argument("--kl-beta", type=float, default=0.0,
+                    help="KL to the base model, PolicyConfig.kl_beta (all-dims mean convention)")
+    ap.add_argument("--warmup", type=int, default=0, help="linear lr warm-up, optimizer steps")
+    ap.add_argument("--noise", type=float, default=NOISE, help="SDE noise level")
+    ap.add_argument("--sde-kind", choices=("flow_sde", "cps"), default="flow_sde")
+    ap.add_argument("--window", default="0,3", help="SDE window start,end (steps)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts an iteration (B)")
+    ap.add_argument("--group", type=int, default=16, help="samples a prompt (G)")
+    ap.add_argument("--adv-std", choices=("group", "global_std"), default="group",
+                    help="scalar credit: z-score by each group's std or by the batch's")
+    ap.add_argument("--pool", default=str(POOL), help="GenEval-format prompt file to cycle")
+    ap.add_argument("--probe-images", type=int, default=4, help="probe images a prompt")
+    ap.add_argument("--clip-range", type=float, default=None,
+                    help="ratio clip (default 1e-3 scalar, 0.032 per position)")
+    ap.add_argument("--name", default=None, help="label of the printed lines")
+    ap.add_argument("--out", default=None, help="append one JSON line per probe to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    b, g = 8, 16
-    name = (f"{args.credit}" + (f"-{args.heatmaps}" if args.credit == "map" else "")
-            + f"-lr{args.lr}-s{args.seed}")
+    b, g = args.prompts, args.group
+    name = args.name or (f"{args.credit}" + (f"-{args.heatmaps}" if args.credit == "map" else "")
+                         + f"-lr{args.lr}-s{args.seed}")
 
     backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
     torch.manual_seed(args.seed)
     params = add_lora(backbone, 8, 8.0)
-    pool = [json.loads(line) for line in POOL.read_text().splitlines() if line.strip()]
+    pool = [json.loads(line) for line in Path(args.pool).read_text().splitlines() if line.strip()]
     graphs = [graph_from_geneval(r) for r in pool]
-    probe_prompts = [r["prompt"] for r in pool for _ in range(4)]
-    probe_graphs = [gr for gr in graphs for _ in range(4)]
+    probe_prompts = [r["prompt"] for r in pool for _ in range(args.probe_images)]
+    probe_graphs = [gr for gr in graphs for _ in range(args.probe_images)]
     probe_seeds = [PROBE_SEED + i for i in range(len(probe_prompts))]
-    spec = RolloutSpec(STEPS, CFG, NOISE, "flow_sde", SdeWindow(0, 3))
+    w0, w1 = (int(v) for v in args.window.split(","))
+    spec = RolloutSpec(STEPS, CFG, args.noise, args.sde_kind, SdeWindow(w0, w1))
     kind = "scalar" if args.credit == "scalar" else "spatial"
-    config = PolicyConfig(kind, 1e-3 if kind == "scalar" else 0.032, kl_beta=0.0, inner_epochs=2,
-                          micro_batch=64, steps_per_epoch=2)
+    clip = args.clip_range or (1e-3 if kind == "scalar" else 0.032)
+    config = PolicyConfig(kind, clip, kl_beta=args.kl_beta,
+                          inner_epochs=args.inner_epochs, micro_batch=64,
+                          steps_per_epoch=args.steps_per_epoch)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0)
     start = time.time()
+    taken = [0]  # optimizer steps so far (for the warm-up)
 
     def probe(k: int) -> None:
         with torch.no_grad():
@@ -140,6 +162,11 @@ def main() -> None:
         strict = sum(float((r.scores > 0.5).all()) for r in res) / len(res)
         print(f"{name} it {k} samples {(k + 1) * b * g} probe {mean:.4f} strict {strict:.3f} "
               f"wall {time.time() - start:.0f}", flush=True)
+        if args.out:
+            row = {"name": name, "iteration": k, "samples": (k + 1) * b * g, "probe": mean,
+                   "strict": strict, "wall_s": time.time() - start, "args": vars(args)}
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
     probe(-1)
     for k in range(args.iterations):
@@ -151,9 +178,14 @@ def main() -> None:
         ro = rollout(backbone, prompts, seeds, spec, noise_seeds=shared)
         results = verify(backbone.decode(ro.x0), batch_graphs)
         adv, train_score = credit(args, results, batch_graphs, b, g)
-        last = policy_update(backbone, opt, prompts, ro, spec, adv, config, shuffle_seed=k)[-1]
+        steps = policy_update(
+            backbone, opt, prompts, ro, spec, adv, config, shuffle_seed=k,
+            lr_for_step=lambda j: linear_warmup_lr(args.lr, args.warmup, taken[0] + j))
+        taken[0] += sum(not s.skipped for s in steps)
+        last = steps[-1]
+        ref = "" if last.ref_kl_nats is None else f" ref_kl_nats {last.ref_kl_nats:.3f}"
         print(f"{name} it {k} train {train_score:.4f} clip {last.clip_fraction:.3f} "
-              f"policy_kl_nats {last.policy_kl_nats:.3f}", flush=True)
+              f"policy_kl_nats {last.policy_kl_nats:.3f}{ref}", flush=True)
         if (k + 1) % args.every == 0:
             probe(k)
 

@@ -1,0 +1,210 @@
+"""In-memory probe of the forward-process (DiffusionNFT-style) objective on the fixed pool.
+
+    .venv/bin/python benchmarks/nft_probe.py [--credit scalar|map] [--seed 0] [--iterations 12]
+        [--lr 1e-3] [--beta 1.0] [--inner-epochs 2] [--steps-per-epoch 2] [--train-cfg 4.0]
+
+Run it from the repository root. Same world, pool, LoRA, probe and budget as
+benchmarks/credit_probe.py (8 pool prompts x 16 samples an iteration, 10 steps, CFG 4), so the
+probe figures of the two scripts compare directly. What differs is the whole update:
+
+- Rollouts: the deterministic ODE sampler (no SDE window), a fresh starting noise per sample
+  (with the ODE a shared noise would give G identical images); only the clean images are kept.
+- Optimality: r = 0.5 + 0.5 clip(A / a_max, -1, 1) in [0, 1], A the group z-score of the mean atom
+  score (Flow-GRPO's advantage); with --credit map, A is CAST's pixel map of the atom advantages
+  (pooled atom spread, gating, the group's other heatmaps, mass-normalised) pooled to the token
+  grid and upsampled, so r is a map: one optimality per position.
+- Loss: `cast_core.nft.nft_loss` (the maths and its sources are in that module): per sample, t ~ U(t_min, 1 - t_min), eps ~ N(0, I), x_t = (1 - t) x0 + t eps, target
+  v = eps - x0 (diffusers' convention), v_old the sampling policy's velocity at (x_t, t) (no grad),
+  v_theta the current one; the implicit positive and negative policies
+  v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta;
+  loss(u) = r(u) |v+(u) - v(u)|^2 + (1 - r(u)) |v-(u) - v(u)|^2, mean over channels and positions,
+  divided by the sample's detached mean |v_old - v|^2 (adaptive weight: each sample's loss
+  counts in units of the old policy's own error at that t).
+  At theta = theta_old, d loss / d v_theta = 2 beta (2 r - 1) (v_old - v): positive samples pull
+  the velocity towards their own target, negative ones push it away, and r = 1/2 does nothing.
+- Policy update: the sampling policy is the LoRA at the start of the iteration (old-policy
+  decay 0: the old policy is reset to the current one after every iteration), inner epochs x
+  optimizer steps per epoch over the samples, each with a fresh (t, eps) per sample and pass.
+  --train-cfg sets the velocity being trained: the guided one (default, the scale the sampler
+  and the probe use) or, at 1.0, the conditional branch alone (CFG-free training).
+The probe is the same as credit_probe's (pool x 4 images, fixed noise 10_000_000 + i).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from credit_probe import BASE, CFG, POOL, PROBE_SEED, STEPS, parents
+
+from cast_core.advantage import (
+    atom_advantages,
+    atom_reward,
+    gate_by_parents,
+    group_heatmaps,
+    pixel_advantage_map,
+    scalar_advantages,
+)
+from cast_core.backbones.shapes import ShapesBackbone
+from cast_core.csg_parser import graph_from_geneval
+from cast_core.nft import adaptive_weight, nft_loss, optimality
+from cast_core.policy import add_lora, linear_warmup_lr
+from cast_core.sampling import encode_conditioning, sample_ode
+from cast_core.shapes.verifier import verify
+
+
+def iteration_optimality(args, results, graphs, b: int, g: int, grid: tuple[int, int]):
+    """(r: [N] or [N, H, W] in [0, 1], mean score) of one iteration's samples."""
+    a_max = max(len(gr.atoms()) for gr in graphs)
+    hh, ww = results[0].heatmaps.shape[-2:]
+    scores = torch.zeros(b, g, a_max, dtype=torch.float64)
+    heat = torch.ones(b, g, a_max, hh, ww)
+    mask = torch.zeros(b, a_max, dtype=torch.bool)
+    par = torch.zeros(b, a_max, a_max, dtype=torch.bool)
+    for bi in range(b):
+        n = len(graphs[bi * g].atoms())
+        mask[bi, :n] = True
+        par[bi, :n, :n] = parents(graphs[bi * g])
+        for gi in range(g):
+            r = results[bi * g + gi]
+            scores[bi, gi, :n] = torch.from_numpy(r.scores.astype("float64"))
+            heat[bi, gi, :n] = torch.from_numpy(r.heatmaps[:n])
+    rewards = atom_reward(scores, mask, "mean")  # [B, G]
+    if args.credit == "scalar":
+        adv = scalar_advantages(rewards, "group").advantages.reshape(-1).float()  # [N]
+    else:
+        atom = gate_by_parents(atom_advantages(scores, mask, 1e-4, "pooled").advantages, scores,
+                               par)
+        h = group_heatmaps(heat, "group_others").reshape(b * g, a_max, hh, ww)
+        m = pixel_advantage_map(atom.reshape(b * g, a_max).float(), h,
+                                mask.repeat_interleave(g, 0), args.global_weight, 5.0, "mass",
+                                args.spatial_mix).map  # [N, H, W]
+        pooled = F.adaptive_avg_pool2d(m[:, None], grid)  # token grid
+        adv = F.interpolate(pooled, size=(hh, ww), mode="nearest")[:, 0]
+    return optimality(adv, args.a_max), float(rewards.mean())
+
+
+def velocity(backbone, x_t, t, cond, uncond, scale: float):
+    """v(x_t, t) [n, C, H, W], t [n]; guided when scale != 1."""
+    return backbone.velocity(x_t, t, cond, scale, uncond if scale != 1.0 else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--credit", choices=("scalar", "map"), default="scalar")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=0)
+    ap.add_argument("--beta", type=float, default=1.0)
+    ap.add_argument("--a-max", type=float, default=2.0, help="|A| at which r reaches 0 or 1")
+    ap.add_argument("--t-min", type=float, default=0.02)
+    ap.add_argument("--inner-epochs", type=int, default=2)
+    ap.add_argument("--steps-per-epoch", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--train-cfg", type=float, default=CFG)
+    ap.add_argument("--spatial-mix", type=float, default=1.0)
+    ap.add_argument("--global-weight", type=float, default=0.0)
+    ap.add_argument("--no-adaptive", action="store_true", help="no per-sample loss weight")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=16)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pool", default=str(POOL), help="GenEval-format prompt file to cycle")
+    ap.add_argument("--probe-images", type=int, default=4, help="probe images a prompt")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    b, g = args.prompts, args.group
+    name = args.name or f"nft-{args.credit}-lr{args.lr}-b{args.beta}-s{args.seed}"
+
+    backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
+    torch.manual_seed(args.seed)
+    params = add_lora(backbone, 8, 8.0)
+    grid = backbone.token_grid
+    pool = [json.loads(line) for line in Path(args.pool).read_text().splitlines() if line.strip()]
+    graphs = [graph_from_geneval(r) for r in pool]
+    probe_prompts = [r["prompt"] for r in pool for _ in range(args.probe_images)]
+    probe_graphs = [gr for gr in graphs for _ in range(args.probe_images)]
+    probe_seeds = [PROBE_SEED + i for i in range(len(probe_prompts))]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0)
+    start, taken = time.time(), 0
+
+    def probe(k: int) -> None:
+        with torch.no_grad():
+            x = sample_ode(backbone, probe_prompts, probe_seeds, STEPS, CFG)
+            res = verify(backbone.decode(x), probe_graphs)
+        mean = sum(float(r.scores.mean()) for r in res) / len(res)
+        strict = sum(float((r.scores > 0.5).all()) for r in res) / len(res)
+        print(f"{name} it {k} samples {(k + 1) * b * g} probe {mean:.4f} strict {strict:.3f} "
+              f"wall {time.time() - start:.0f}", flush=True)
+        if args.out:
+            row = {"name": name, "iteration": k, "samples": (k + 1) * b * g, "probe": mean,
+                   "strict": strict, "wall_s": time.time() - start, "args": vars(args)}
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    probe(-1)
+    for k in range(args.iterations):
+        idx = [(k * b + j) % len(pool) for j in range(b)]
+        prompts = [pool[i]["prompt"] for i in idx for _ in range(g)]
+        batch_graphs = [graphs[i] for i in idx for _ in range(g)]
+        seeds = [args.seed * 10**7 + k * 10**4 + i for i in range(b * g)]
+        with torch.no_grad():
+            x0 = sample_ode(backbone, prompts, seeds, STEPS, CFG)
+        results = verify(backbone.decode(x0), batch_graphs)
+        r, train_score = iteration_optimality(args, results, batch_graphs, b, g, grid)
+        n = x0.shape[0]
+        gen = torch.Generator().manual_seed(args.seed * 7919 + k)
+        # one (t, eps) per sample and pass, and the sampling policy's velocity there
+        draws = []
+        cond_all, uncond_all = encode_conditioning(backbone, prompts, args.train_cfg)
+        for _ in range(args.inner_epochs):
+            t = args.t_min + (1 - 2 * args.t_min) * torch.rand(n, generator=gen)
+            eps = torch.randn(x0.shape, generator=gen)
+            x_t = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
+            with torch.no_grad():
+                v_old = torch.cat([
+                    velocity(backbone, x_t[lo:lo + 64], t[lo:lo + 64], cond_all[lo:lo + 64],
+                             None if uncond_all is None else uncond_all[lo:lo + 64],
+                             args.train_cfg) for lo in range(0, n, 64)])
+            draws.append((t, x_t, eps - x0, v_old))
+        losses, pos_share = [], float((r > 0.5).float().mean())
+        for epoch, (t, x_t, target, v_old) in enumerate(draws):
+            order = torch.randperm(n, generator=gen)
+            for step_idx in torch.tensor_split(order, args.steps_per_epoch):
+                for group in opt.param_groups:
+                    group["lr"] = linear_warmup_lr(args.lr, args.warmup, taken)
+                opt.zero_grad(set_to_none=True)
+                total = 0.0
+                for mb in step_idx.split(args.micro_batch):
+                    v_th = velocity(backbone, x_t[mb], t[mb], cond_all[mb],
+                                    None if uncond_all is None else uncond_all[mb],
+                                    args.train_cfg)
+                    vo, tg = v_old[mb], target[mb]
+                    wt = None if args.no_adaptive else adaptive_weight(vo, tg)
+                    out = nft_loss(v_th, vo, tg, r[mb], args.beta, wt)
+                    loss = out.loss * len(mb) / len(step_idx)
+                    loss.backward()
+                    total += float(loss.detach())
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                taken += 1
+                losses.append(total)
+        print(f"{name} it {k} train {train_score:.4f} loss {sum(losses) / len(losses):.4f} "
+              f"positive_share {pos_share:.3f}", flush=True)
+        if (k + 1) % args.every == 0:
+            probe(k)
+
+
+if __name__ == "__main__":
+    main()

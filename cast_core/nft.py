@@ -1,0 +1,92 @@
+"""Forward-process (negative-aware) flow-matching loss, with an optimality per sample or per
+position.
+
+Variant: the objective of Zheng et al. 2025 (DiffusionNFT, "Online Diffusion Reinforcement with
+Forward Process", arXiv 2509.16117), written here from the paper's equations; the optimality map
+(one r per latent position instead of one per sample) is ours: it carries CAST's atom-pixel credit.
+
+Conventions (diffusers, as in ``cast_core.sde``): x_t = (1 - t) x0 + t eps, target velocity
+v = eps - x0. For a clean sample x0 of the sampling (old) policy, a time t and a noise eps:
+
+    v+ = (1 - beta) v_old + beta v_theta        (implicit positive policy)
+    v- = (1 + beta) v_old - beta v_theta        (implicit negative policy)
+    l(u) = r(u) |v+(u) - v(u)|^2 + (1 - r(u)) |v-(u) - v(u)|^2      (mean over channels at u)
+    loss = mean over samples of w * mean_u l(u)
+
+with r in [0, 1] the optimality probability (per sample [N] or per position [N, h, w]),
+v_old the old policy's velocity at (x_t, t) (no gradient) and w an optional per-sample weight
+(detached; e.g. ``adaptive_weight``). Facts the tests check in closed form:
+- a constant map r(u) = r equals the per-sample loss with that r;
+- r = 1 everywhere is |beta (v_theta - v) + (1 - beta) (v_old - v)|^2, at beta = 1 exactly plain
+  flow matching |v_theta - v|^2 towards the samples;
+- at theta = theta_old (v_theta = v_old) the gradient in v_theta is 2 beta (2 r - 1) (v_old - v)
+  / (C h w) per element: gradient descent moves the velocity towards the sample's target where
+  r > 1/2 and away where r < 1/2; r = 1/2 contributes nothing.
+
+``optimality`` maps an advantage A (a group z-score, or CAST's map of atom advantages) to
+r = 1/2 + 1/2 clip(A / a_max, -1, 1), the paper's normalised-reward form with a_max the |A| at
+which a sample counts as fully positive or negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class NftLoss:
+    """loss: 0-d; per_sample [N] (before the weight); positive_share: mean of r > 1/2."""
+
+    loss: Tensor
+    per_sample: Tensor
+    positive_share: Tensor
+
+
+def optimality(advantages: Tensor, a_max: float) -> Tensor:
+    """r = 1/2 + 1/2 clip(A / a_max, -1, 1), same shape as advantages ([N] or [N, h, w])."""
+    if not a_max > 0:
+        raise ValueError(f"a_max must be > 0 (the |A| at which r reaches 0 or 1); got {a_max!r}")
+    return 0.5 + 0.5 * (advantages / a_max).clamp(-1.0, 1.0)
+
+
+def adaptive_weight(v_old: Tensor, target: Tensor, floor: float = 1e-4) -> Tensor:
+    """1 / mean |v_old - v|^2 per sample [N] (detached): each sample's loss in units of the old
+    policy's own error at its (t, eps), so samples at easy and hard t count alike."""
+    err = (v_old.detach() - target).pow(2).flatten(1).mean(dim=1)
+    return 1.0 / err.clamp_min(floor)
+
+
+def nft_loss(
+    v_theta: Tensor,
+    v_old: Tensor,
+    target: Tensor,
+    r: Tensor,
+    beta: float,
+    weight: Tensor | None = None,
+) -> NftLoss:
+    """The loss above. v_theta, v_old, target [N, C, h, w]; r [N] or [N, h, w] in [0, 1];
+    weight [N] or None (1)."""
+    if v_theta.shape != v_old.shape or v_theta.shape != target.shape or v_theta.dim() != 4:
+        raise ValueError(f"velocities and target must share a shape [N, C, h, w]; got "
+                         f"{tuple(v_theta.shape)}, {tuple(v_old.shape)}, {tuple(target.shape)}")
+    n, _, h, w = v_theta.shape
+    if tuple(r.shape) not in ((n,), (n, h, w)):
+        raise ValueError(f"r must be [N] = ({n},) or [N, h, w] = ({n}, {h}, {w}); got "
+                         f"{tuple(r.shape)}: pool the map onto the latent grid")
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0; got {beta!r}")
+    if (r < 0).any() or (r > 1).any():
+        raise ValueError("r must lie in [0, 1]: map advantages with nft.optimality")
+    v_old = v_old.detach()
+    rr = (r[:, None, None, None] if r.dim() == 1 else r[:, None]).to(v_theta.dtype)
+    v_pos = (1 - beta) * v_old + beta * v_theta
+    v_neg = (1 + beta) * v_old - beta * v_theta
+    per_dim = rr * (v_pos - target).pow(2) + (1 - rr) * (v_neg - target).pow(2)
+    per_sample = per_dim.flatten(1).mean(dim=1)  # [N]
+    wt = torch.ones_like(per_sample) if weight is None else weight.detach().to(per_sample.dtype)
+    if wt.shape != per_sample.shape:
+        raise ValueError(f"weight must be [N] = ({n},); got {tuple(wt.shape)}")
+    return NftLoss((wt * per_sample).mean(), per_sample.detach(), (r > 0.5).float().mean())

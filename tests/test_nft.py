@@ -1,0 +1,83 @@
+"""The forward-process (NFT) loss against closed forms."""
+
+import pytest
+import torch
+
+from cast_core.nft import adaptive_weight, nft_loss, optimality
+
+
+def _velocities(n=3, c=2, h=4, w=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, c, h, w, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_constant_map_equals_the_per_sample_loss():
+    v_theta, v_old, target = _velocities()
+    r = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    per_sample = nft_loss(v_theta, v_old, target, r, beta=0.7)
+    as_map = nft_loss(v_theta, v_old, target, r[:, None, None].expand(3, 4, 5), beta=0.7)
+    torch.testing.assert_close(as_map.loss, per_sample.loss)
+    torch.testing.assert_close(as_map.per_sample, per_sample.per_sample)
+
+
+def test_all_positive_at_beta_one_is_plain_flow_matching():
+    v_theta, v_old, target = _velocities()
+    out = nft_loss(v_theta, v_old, target, torch.ones(3, dtype=torch.float64), beta=1.0)
+    torch.testing.assert_close(out.loss, (v_theta - target).pow(2).mean())
+
+
+def test_all_positive_any_beta_closed_form():
+    v_theta, v_old, target = _velocities(seed=1)
+    beta = 0.3
+    out = nft_loss(v_theta, v_old, target, torch.ones(3, dtype=torch.float64), beta=beta)
+    expected = (beta * (v_theta - target) + (1 - beta) * (v_old - target)).pow(2).mean()
+    torch.testing.assert_close(out.loss, expected)
+
+
+@pytest.mark.parametrize("beta", [0.1, 1.0, 2.0])
+def test_gradient_at_the_old_policy_moves_towards_positive_samples(beta):
+    _, v_old, target = _velocities(seed=2)
+    n, c, h, w = v_old.shape
+    r = torch.rand(n, h, w, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    v_theta = v_old.clone().requires_grad_(True)
+    nft_loss(v_theta, v_old, target, r, beta).loss.backward()
+    expected = 2 * beta * (2 * r[:, None] - 1) * (v_old - target) / (n * c * h * w)
+    torch.testing.assert_close(v_theta.grad, expected)
+    # a descent step raises the positive positions' fit and lowers the negative ones'
+    step = v_theta.detach() - 1e-3 * v_theta.grad
+    closer = ((step - target).pow(2) < (v_old - target).pow(2))  # [N, C, h, w]
+    pos = (r > 0.5)[:, None].expand_as(closer)
+    assert closer[pos].all() and not closer[~pos].any()
+
+
+def test_half_optimality_gives_no_gradient_at_the_old_policy():
+    _, v_old, target = _velocities(seed=4)
+    v_theta = v_old.clone().requires_grad_(True)
+    nft_loss(v_theta, v_old, target, torch.full((3,), 0.5, dtype=torch.float64), 1.0).loss.backward()
+    assert v_theta.grad.abs().max() == 0
+
+
+def test_weight_scales_each_sample():
+    v_theta, v_old, target = _velocities(seed=5)
+    r = torch.tensor([0.2, 0.6, 1.0], dtype=torch.float64)
+    wt = adaptive_weight(v_old, target)
+    out = nft_loss(v_theta, v_old, target, r, 1.0, weight=wt)
+    torch.testing.assert_close(out.loss, (wt * out.per_sample).mean())
+    torch.testing.assert_close(wt, 1 / (v_old - target).pow(2).flatten(1).mean(1))
+
+
+def test_optimality_maps_advantages_into_unit_interval():
+    a = torch.tensor([-5.0, -1.0, 0.0, 1.0, 5.0])
+    torch.testing.assert_close(optimality(a, 2.0), torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]))
+    with pytest.raises(ValueError, match="a_max"):
+        optimality(a, 0.0)
+
+
+def test_bad_inputs_are_named():
+    v_theta, v_old, target = _velocities()
+    with pytest.raises(ValueError, match="latent grid"):
+        nft_loss(v_theta, v_old, target, torch.ones(3, 2, 2, dtype=torch.float64), 1.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        nft_loss(v_theta, v_old, target, torch.full((3,), 1.5, dtype=torch.float64), 1.0)
+    with pytest.raises(ValueError, match="beta"):
+        nft_loss(v_theta, v_old, target, torch.ones(3, dtype=torch.float64), 0.0)
