@@ -162,7 +162,8 @@ def _no_progress(steps: int) -> None:
 
 @torch.no_grad()
 def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: RolloutSpec,
-                   noise_seeds: list[int], progress: Callable[[int], object]) -> Rollout:
+                   noise_seeds: list[int], progress: Callable[[int], object],
+                   signs: list[float]) -> Rollout:
     device = next(backbone.transformer.parameters()).device
     sigmas = backbone.sigmas(spec.num_steps)
     cond, uncond = encode_conditioning(backbone, prompts, spec.guidance_scale)
@@ -176,6 +177,7 @@ def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: Rollout
             x = ode_step(x, v, t, t_next)
             continue
         z = sde_noise(seeds, k, x.shape[1:]).to(device=x.device, dtype=x.dtype)
+        z = z * torch.tensor(signs, dtype=x.dtype, device=x.device)[:, None, None, None]
         step = sde_step(x, v, t, t_next, spec.noise_level, spec.sde_kind, noise=z)
         latents.append(x)
         next_latents.append(step.x_next)
@@ -195,8 +197,13 @@ def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: Rollout
 def rollout(
     backbone, prompts: list[str], seeds: Sequence[int], spec: RolloutSpec, chunk_size: int = 64,
     noise_seeds: Sequence[int] | None = None, progress: Callable[[int], object] | None = None,
+    noise_signs: Sequence[float] | None = None,
 ) -> Rollout:
     """Sample N = len(prompts) (prompt, seed) pairs, storing the window steps. See ``Rollout``.
+
+    noise_signs (optional, one +1 or -1 per sample) multiplies each sample's SDE noise at every
+    window step: two samples with the same seed, start and prompt and opposite signs are a
+    mirrored (antithetic) pair, each still an exact draw of the policy.
 
     Chunks of `chunk_size` samples run at once; the random draws do not depend on the chunking
     (outputs agree across chunkings up to the rounding of batched kernels). `progress`, when
@@ -213,9 +220,14 @@ def rollout(
         raise ValueError(f"need one initial-noise seed per sample: got {len(noise_seeds)} for "
                          f"{len(seeds)} samples")
     noise_seeds = [int(s) for s in noise_seeds]
+    signs = [1.0] * len(seeds) if noise_signs is None else [float(v) for v in noise_signs]
+    if len(signs) != len(seeds) or any(v not in (1.0, -1.0) for v in signs):
+        raise ValueError(f"noise_signs must hold one +1 or -1 per sample ({len(seeds)}); got "
+                         f"{len(signs)} values, {sorted(set(signs))[:4]}")
     parts = [
         _rollout_chunk(backbone, prompts[lo : lo + chunk_size], seeds[lo : lo + chunk_size], spec,
-                       noise_seeds[lo : lo + chunk_size], progress or _no_progress)
+                       noise_seeds[lo : lo + chunk_size], progress or _no_progress,
+                       signs[lo : lo + chunk_size])
         for lo in range(0, len(prompts), chunk_size)
     ]
     return Rollout(

@@ -145,3 +145,23 @@ def test_shared_noise_seeds_start_a_group_from_one_noise_and_keep_the_sde_noise(
     assert torch.equal(default.x0, same.x0)
     with pytest.raises(ValueError, match="one initial-noise seed per sample"):
         rollout(tiny, prompts, SEEDS, spec, noise_seeds=[1, 2])
+
+
+def test_noise_signs_mirror_a_pair_at_every_window_step(tiny):
+    spec = _spec(window=(0, 2))
+    prompts = [PROMPTS[0]] * 2
+    pair = rollout(tiny, prompts, [5, 5], spec, noise_seeds=[99, 99], noise_signs=[1, -1])
+    # same start, the first window step's noise exactly mirrored about the shared mean
+    assert torch.equal(pair.latents[0, 0], pair.latents[1, 0])
+    replay = replay_log_probs(tiny, pair, prompts, spec, with_grad=False)
+    for j, k in enumerate(spec.window.steps):
+        z = (pair.next_latents[:, j] - replay.means[:, j]) / replay.stds[:, j]
+        torch.testing.assert_close(z[0], sde_noise([5], k, tiny.latent_shape)[0], rtol=1e-4,
+                                   atol=1e-4)
+        torch.testing.assert_close(z[1], -z[0], rtol=1e-4, atol=1e-4)
+    # the stored log-prob is the exact density of each draw: a mirrored draw is as likely
+    torch.testing.assert_close(pair.log_probs[0, 0], pair.log_probs[1, 0], rtol=1e-5, atol=1e-5)
+    plus = rollout(tiny, prompts, [5, 5], spec, noise_seeds=[99, 99])
+    assert torch.equal(plus.x0[0], pair.x0[0])  # +1 is the default draw
+    with pytest.raises(ValueError, match="noise_signs"):
+        rollout(tiny, prompts, [5, 5], spec, noise_signs=[1, 0])
