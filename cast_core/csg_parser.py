@@ -235,7 +235,9 @@ def _construct(words: list[str]) -> str | None:
         if later and word in UNSUPPORTED_RELATIONS:
             return (f"relation {word!r} is not one the offline parser reads; its forms are "
                     f"{sorted(RELATION_PHRASES)}")
-        if later and word.endswith(("ing", "ed")) and word not in ATTRIBUTE_KIND:
+        joins = i + 1 < len(words) and (words[i + 1] in _NOT_NOUN_WORDS
+                                        or words[i + 1] in UNSUPPORTED_RELATIONS)
+        if later and joins and word.endswith(("ing", "ed")) and word not in ATTRIBUTE_KIND:
             return f"it has a verb ({word!r}), which the offline parser does not read"
     return None
 

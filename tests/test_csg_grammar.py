@@ -139,6 +139,8 @@ NEGATIVE = [
     ("a sleeping cat", "['sleeping'] before the noun 'cat'"),
     ("a velvety-ish car", "['velvety-ish'] before the noun 'car'"),
     ("a traffic sign", "['traffic'] before the noun 'sign'"),
+    ("a gold wedding ring", "['wedding'] before the noun 'ring'"),
+    ("a dog barking at a cat", "verb ('barking')"),
     ("a glass sheep dog", "['sheep'] before the noun 'dog'"),
     ("a wooden", "'wooden' in 'a wooden' is an attribute (material), not a noun"),
     ("two striped", "'striped' in 'two striped' is an attribute (pattern), not a noun"),
