@@ -12,6 +12,9 @@ Conventions (ours; the CAST paper publishes no schema):
 - Counting: a node with count n >= 2 has a count atom meaning EXACTLY n instances of the noun (with
   its colour, if any); a node of count 1 has no count atom and means "at least one".
 - Answers are "yes" for yes/no atoms and the digit string of the count for count atoms.
+- Relations: GenEval's four (`RELATIONS`, the only ones its metadata and the LLM builder write)
+  and the offline parser's others (`EXTRA_RELATIONS`: "in front of", "behind", "on top of",
+  "next to", "close to" for "near", and "with"). A graph has at most `MAX_ATOMS` atoms.
 
 `atoms()` orders node atoms in node order, then edge atoms. `to_dict`/`from_dict` round-trip
 exactly; `from_dict` only rebuilds, call `validate_graph` to check the result.
@@ -25,8 +28,12 @@ from typing import Any, Literal
 
 AtomType = Literal["object", "count", "attribute", "relation"]
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
+EXTRA_RELATIONS: tuple[str, ...] = ("in front of", "behind", "on top of", "next to", "close to",
+                                    "with")
+ALL_RELATIONS: tuple[str, ...] = RELATIONS + EXTRA_RELATIONS
 MIN_COUNT = 1
 MAX_COUNT = 10
+MAX_ATOMS = 48
 
 
 class CsgError(ValueError):
@@ -154,6 +161,9 @@ def _edge_from_dict(d: dict[str, Any]) -> RelationEdge:
 def validate_graph(graph: SceneGraph) -> None:
     """Raise CsgError listing every broken invariant of `graph`; return None when it is sound."""
     problems = _id_problems(graph) + _reference_problems(graph) + _cycle_problems(graph)
+    if len(graph.atoms()) > MAX_ATOMS:
+        problems.append(f"it has {len(graph.atoms())} atoms, more than the limit of {MAX_ATOMS} "
+                        "per graph; split the prompt into smaller ones")
     problems += [p for n in graph.nodes for p in _node_problems(n)]
     problems += [p for e in graph.edges for p in _edge_problems(e)]
     if problems:
@@ -245,8 +255,9 @@ def _node_atom_problems(a: Atom, n: ObjectNode, values: set[str]) -> list[str]:
 
 def _edge_problems(e: RelationEdge) -> list[str]:
     problems = []
-    if e.relation not in RELATIONS:
-        problems.append(f"edge {e.id!r} relation {e.relation!r} is unknown; use one of {RELATIONS}")
+    if e.relation not in ALL_RELATIONS:
+        problems.append(f"edge {e.id!r} relation {e.relation!r} is unknown; "
+                        f"use one of {ALL_RELATIONS}")
     if e.subject == e.object:
         problems.append(f"edge {e.id!r} relates {e.subject!r} to itself; use two distinct nodes")
     for a in e.atoms:

@@ -1,63 +1,99 @@
-"""Deterministic CSG builder for GenEval-grammar prompts, from prompt text or GenEval metadata.
+"""Deterministic CSG builder for compositional prompts, from prompt text or GenEval metadata.
 
-Grammar (GenEval's six templates and the shapes world's harder forms are all instances):
-    prompt  := "a photo of " NP ( (", " | " and " | ", and ") NP )*   |   "a photo of " NP REL NP
-    NP      := (a | an | one..ten | 1..10) [COLOR] NOUN
-    REL     := "left of" | "right of" | "above" | "below"     (the first NP is the subject)
-NOUN is any run of plain lowercase words (multi-word nouns such as "fire hydrant" are fine); with
-a count >= 2 its last word is singularised. A colour word is an attribute only when a noun
-follows it ("an orange" is the fruit). Anything else raises PromptParseError: the parser never
-guesses. An NP that agrees badly ("two circle") is read as meant, since invariant plurals
-("two sheep") cannot be told apart from it without a dictionary.
+Grammar (GenEval's six templates and the shapes world's forms are all instances):
+    prompt  := [PREFIX] clause ( SEP clause )*          PREFIX: "a photo of ", "an image of ", ...
+    clause  := NP  |  NP REL NP ( SEP NP )* ( SEP REL NP ( SEP NP )* )*
+    NP      := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN
+    SEP     := ", " | " and " | ", and "
+REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "to the left of",
+"under", "behind", "in front of", "on top of", "next to", "beside", "near", "with", ...), each
+read as its canonical relation. A relation followed by a list relates its subject to each listed
+noun phrase ("a cat next to two dogs and a red chair": two edges). "and" before a second relation
+keeps the subject ("a cat left of a dog and above a box"); a noun phrase after the first object
+that is itself followed by a relation starts a new clause ("a cat left of a dog and a bird above
+a tree": the bird is above the tree).
 
-Node order is the order of appearance in the prompt. GenEval's metadata lists a position prompt's
-reference object first and the subject second (with "position": [rel, 0]); `graph_from_geneval`
-puts the positioned clause first, so both paths give the same graph.
+Refused as ambiguous, each with its reason: a chain ("A left of B above C": which one is above
+C?), a list before a relation ("A and B left of C": both, or only B?), and a new clause after two
+or more objects. ATTRIBUTE words come from the vocabulary file (colour, size, material, pattern,
+texture, shape, state; "light"/"dark"... + colour is one colour); a node's attributes are kept in
+`ATTRIBUTE_KINDS` order. NOUN is one plain word, or a listed compound noun ("fire hydrant"), or,
+when a noun list is given, one of its nouns; with a count >= 2 its last word is singularised. A
+vocabulary word is the noun only when nothing follows it and it can be one ("an orange", "a
+glass"). Any other word is an error naming it and, where it can tell, the construct (a verb such
+as "chasing", a nested clause, an unsupported relation such as "on" or "between", an "of" phrase),
+pointing to the LLM builder: the parser never guesses. An NP that agrees badly ("two circle") is
+read as meant, since invariant plurals ("two sheep") cannot be told apart from it.
 
-Plurals: rules plus a small irregular table. The table also undoes GenEval's own naive plural
-(name + "es" after a final s, else + "s"), so "two computer mouses", "two skises" and
-"two knifes" from GenEval's generator parse back to their class names.
-
-Atoms are built by `object_node` and `relation_edge`, which are more general than this grammar
-needs (any attribute keys, any edge id and endpoints) because the LLM builder
-(`cast_core.csg_llm`) uses them too: both paths share one way of writing questions, answers and
-parent links. Count and relation questions name an object by its colour only.
+Node order is the order of appearance; edge k is "rel{k}" in order of appearance. GenEval's
+metadata lists a position prompt's reference object first and the subject second (with
+"position": [rel, 0]); `graph_from_geneval` puts the positioned clause first, so both paths give
+the same graph. Atoms and their questions: `cast_core.csg_questions` (shared with the LLM builder).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cast_core.csg import RELATIONS, Atom, ObjectNode, RelationEdge, SceneGraph, validate_graph
+from cast_core.csg import RELATIONS, SceneGraph, validate_graph
+from cast_core.csg_clauses import Relation, clause_edges, split_items
+from cast_core.csg_questions import (
+    NUMBER_NAMES,
+    node_description,
+    noun_phrase,
+    object_node,
+    relation_edge,
+)
+from cast_core.csg_vocab import (
+    ALSO_NOUNS,
+    ATTRIBUTE_KIND,
+    ATTRIBUTE_KINDS,
+    CLAUSE_WORDS,
+    COLOR_MODIFIERS,
+    COMPOUND_NOUNS,
+    RELATION_PHRASES,
+    UNSUPPORTED_RELATIONS,
+    VERBS,
+    pluralize,
+    singularize,
+)
+
+__all__ = [
+    "COLOR_WORDS",
+    "COUNT_WORDS",
+    "MAX_PROMPT_CHARS",
+    "NUMBER_NAMES",
+    "PREFIX",
+    "PREFIXES",
+    "NounPhrase",
+    "PromptParseError",
+    "build_graph",
+    "graph_from_geneval",
+    "node_description",
+    "noun_phrase",
+    "object_node",
+    "parse_prompt",
+    "pluralize",
+    "relation_edge",
+    "singularize",
+]
 
 PREFIX = "a photo of "
+PREFIXES: tuple[str, ...] = (PREFIX, "an image of ", "a picture of ")
+MAX_PROMPT_CHARS = 400
 COLOR_WORDS: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "purple", "pink",
                                 "brown", "black", "white", "gray", "grey")
-NUMBER_NAMES: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven",
-                                 "eight", "nine", "ten")
 COUNT_WORDS: dict[str, int] = {"a": 1, "an": 1, **{w: n for n, w in enumerate(NUMBER_NAMES)
                                                   if n > 0}, **{str(n): n for n in range(1, 11)}}
-IRREGULAR_PLURALS: dict[str, str] = {
-    "person": "people", "man": "men", "woman": "women", "child": "children", "mouse": "mice",
-    "goose": "geese", "foot": "feet", "tooth": "teeth", "knife": "knives", "wife": "wives",
-    "life": "lives", "leaf": "leaves", "loaf": "loaves", "wolf": "wolves", "shelf": "shelves",
-    "half": "halves", "calf": "calves", "potato": "potatoes", "tomato": "tomatoes",
-    "cookie": "cookies", "movie": "movies",
-}
-INVARIANT_NOUNS: frozenset[str] = frozenset({"sheep", "deer", "fish", "moose", "bison",
-                                             "series", "species", "scissors"})
-_SINGULAR_EXCEPTIONS: dict[str, str] = {
-    **{p: s for s, p in IRREGULAR_PLURALS.items()},
-    "mouses": "mouse", "houses": "house", "scissorses": "scissors",
-}
 _NOT_NOUN_WORDS = frozenset(COUNT_WORDS) | frozenset(NUMBER_NAMES) | frozenset({
     "the", "and", "or", "of", "on", "in", "at", "with", "to", "by", "for", "from", "near", "next",
     "behind", "under", "over", "beside", "front", "left", "right", "above", "below"})
+_RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "side"})
 _WORD = re.compile(r"[a-z][a-z'-]*")
-_SEPARATOR = re.compile(r", and |, | and ")
-_RELATION = re.compile(r" (" + "|".join(RELATIONS) + r") ")
+_LLM = "use the LLM builder (builder.kind = 'llm-chat' or 'llm-local') for prompts like this"
 
 
 class PromptParseError(ValueError):
@@ -66,100 +102,188 @@ class PromptParseError(ValueError):
 
 @dataclass(frozen=True)
 class NounPhrase:
-    """`count` instances of `noun` (singular), optionally coloured."""
+    """`count` instances of `noun` (singular) with `attributes` ((kind, value), kind order)."""
 
     noun: str
     count: int
-    color: str | None = None
+    attributes: tuple[tuple[str, str], ...] = ()
 
     @property
-    def attributes(self) -> tuple[tuple[str, str], ...]:
-        return (("color", self.color),) if self.color else ()
-
-
-def singularize(noun: str) -> str:
-    """Singular of a plural noun phrase: only its last word changes ("wine glasses")."""
-    *head, last = noun.split(" ")
-    return " ".join([*head, _singular_word(last)])
-
-
-def _singular_word(word: str) -> str:
-    if word in _SINGULAR_EXCEPTIONS:
-        return _SINGULAR_EXCEPTIONS[word]
-    if word in INVARIANT_NOUNS or not word.endswith("s") or word.endswith(("ss", "us")):
-        return word
-    if word.endswith("ies"):
-        return word[:-3] + "y" if len(word) > 4 else word[:-1]
-    if word.endswith(("xes", "ches", "shes")):
-        return word[:-2]
-    if word.endswith("ses") and word[:-2].endswith(("ss", "us", "is")):
-        return word[:-2]
-    return word[:-1]
-
-
-def pluralize(noun: str) -> str:
-    """Plural of a singular noun phrase, the inverse of `singularize` on its last word."""
-    *head, last = noun.split(" ")
-    return " ".join([*head, _plural_word(last)])
-
-
-def _plural_word(word: str) -> str:
-    if word in IRREGULAR_PLURALS:
-        return IRREGULAR_PLURALS[word]
-    if word in INVARIANT_NOUNS:
-        return word
-    if word.endswith(("s", "x", "ch", "sh")):
-        return word + "es"
-    if word.endswith("y") and len(word) > 1 and word[-2] not in "aeiou":
-        return word[:-1] + "ies"
-    return word + "s"
-
-
-def noun_phrase(count: int, noun: str, color: str | None = None) -> str:
-    """Prompt text of one NP: "a red circle", "an apple", "two red circles"."""
-    words = [w for w in (color, noun if count == 1 else pluralize(noun)) if w]
-    head = ("an" if words[0][0] in "aeiou" else "a") if count == 1 else NUMBER_NAMES[count]
-    return " ".join([head, *words])
+    def color(self) -> str | None:
+        return dict(self.attributes).get("color")
 
 
 def _fail(prompt: str, reason: str) -> PromptParseError:
     return PromptParseError(f"cannot parse prompt {prompt!r}: {reason}")
 
 
-def parse_prompt(prompt: str, tag: str | None = None) -> SceneGraph:
-    """Scene graph of a GenEval-grammar prompt; raises PromptParseError on anything else."""
-    if not prompt.startswith(PREFIX):
-        raise _fail(prompt, f"it must start with {PREFIX!r}")
-    body = prompt[len(PREFIX):]
-    relations = _RELATION.findall(body)
-    if len(relations) > 1:
-        raise _fail(prompt, f"it has {len(relations)} relation words {relations}; "
-                            "one relation may join exactly two noun phrases")
-    texts = _RELATION.split(body)[::2] if relations else _SEPARATOR.split(body)
-    if relations and any(_SEPARATOR.search(t) for t in texts):
-        raise _fail(prompt, f"the relation {relations[0]!r} must join exactly two noun phrases, "
-                            "not a list")
-    phrases = [_parse_phrase(text, prompt) for text in texts]
-    return build_graph(prompt, phrases, relations[0] if relations else None, tag)
+def parse_prompt(prompt: str, tag: str | None = None,
+                 nouns: Iterable[str] | None = None) -> SceneGraph:
+    """Scene graph of a prompt in the grammar above; raises PromptParseError on anything else.
+    `nouns` (singular nouns, e.g. a GenEval record's classes): when given, every noun must be one
+    of them, and they are the only multi-word nouns read."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"parse_prompt expects the prompt as a str, got {type(prompt).__name__}"
+                        + ("; decode the bytes (UTF-8) first" if isinstance(prompt, bytes) else ""))
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"parse_prompt expects tag as a str or None, got {type(tag).__name__}")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise _fail(prompt[:80] + "...", f"it is {len(prompt)} characters long, more than the "
+                                         f"limit of {MAX_PROMPT_CHARS}; shorten it or {_LLM}")
+    listed = None if nouns is None else frozenset(nouns)
+    body = next((prompt[len(p):] for p in PREFIXES if prompt.startswith(p)), prompt)
+    spans, ops = split_items(body)
+    try:
+        edges = clause_edges(spans, ops)
+    except ValueError as err:
+        raise _fail(prompt, f"{err}; {_LLM}") from err
+    roles = _roles(ops)
+    phrases = [_parse_phrase(span, prompt, listed, roles[i], i == 0 and body == prompt)
+               for i, span in enumerate(spans)]
+    return build_graph(prompt, phrases, edges, tag)
 
 
-def _parse_phrase(text: str, prompt: str) -> NounPhrase:
-    words = text.split(" ")
+def _roles(ops: list[str | Relation]) -> list[str]:
+    """For error messages: 'the object of 'next to'' for a noun phrase after a relation."""
+    roles = [""]
+    for op in ops:
+        roles.append(f" (the object of {op.form!r})" if isinstance(op, Relation) else "")
+    return roles
+
+
+def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, role: str,
+                  first: bool) -> NounPhrase:
+    text = " ".join(words)
     if len(words) < 2 or "" in words:
-        raise _fail(prompt, f"noun phrase {text!r} must be '(a|an|number) [color] noun'")
+        raise _fail(prompt, f"noun phrase {text!r}{role} must be '(a|an|number) [attributes] "
+                            "noun'")
     if words[0] not in COUNT_WORDS:
-        raise _fail(prompt, f"noun phrase {text!r} must start with a/an or a count one..ten "
-                            f"(or 1..10), not {words[0]!r}")
+        start = ("it must start with 'a photo of ' or with a noun phrase: a/an or a count "
+                 "one..ten (or 1..10)" if first else
+                 f"noun phrase {text!r}{role} must start with a/an or a count one..ten "
+                 "(or 1..10)")
+        raise _fail(prompt, f"{start}, not {words[0]!r}")
     count, rest = COUNT_WORDS[words[0]], words[1:]
-    color = rest[0] if len(rest) > 1 and rest[0] in COLOR_WORDS else None
-    noun_words = rest[1:] if color else rest
-    bad = [w for w in noun_words if not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS]
-    bad += [w for w in noun_words[:-1] if w in COLOR_WORDS]
+    bad = [w for w in rest if not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS]
     if bad:
-        raise _fail(prompt, f"noun {' '.join(noun_words)!r} in {text!r} has words that are not "
-                            f"part of a noun: {bad}")
-    noun = " ".join(noun_words)
-    return NounPhrase(singularize(noun) if count > 1 else noun, count, color)
+        construct = _construct(rest)
+        raise _fail(prompt, (f"{construct}; " if construct else "")
+                    + f"noun {' '.join(rest)!r} in {text!r} has words that are not part of a "
+                      f"noun: {bad}; {_LLM}")
+    split = _split(rest, count, nouns)
+    if split is None:
+        raise _fail(prompt, _no_split_reason(rest, text, nouns))
+    return NounPhrase(split[0], count, split[1])
+
+
+def _split(rest: list[str], count: int,
+           nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """(noun, attributes) of the words after the count: the longest noun whose words before are
+    all attributes, one per kind; None when there is none."""
+    for j in range(len(rest)):
+        noun = singularize(" ".join(rest[j:])) if count > 1 else " ".join(rest[j:])
+        attributes = _attributes(rest[:j])
+        if attributes is not None and _is_noun(rest[j:], noun, nouns):
+            return noun, attributes
+    return None
+
+
+def _is_noun(words: list[str], noun: str, nouns: frozenset[str] | None) -> bool:
+    if nouns is not None:
+        return noun in nouns
+    if len(words) > 1:
+        return noun in COMPOUND_NOUNS
+    word = words[0]
+    plain = word not in VERBS and word not in CLAUSE_WORDS and word not in COLOR_MODIFIERS
+    return plain and (word not in ATTRIBUTE_KIND or word in ALSO_NOUNS or noun in ALSO_NOUNS)
+
+
+def _attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
+    """(kind, value) pairs of attribute words in kind order; None when a word is not one or a
+    kind repeats. A colour modifier joins the colour after it ("light blue")."""
+    found: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        word, after = words[i], words[i + 1] if i + 1 < len(words) else None
+        if word in COLOR_MODIFIERS and after is not None and ATTRIBUTE_KIND.get(after) == "color":
+            kind, value, i = "color", f"{word} {after}", i + 2
+        elif word in ATTRIBUTE_KIND:
+            kind, value, i = ATTRIBUTE_KIND[word], word, i + 1
+        else:
+            return None
+        if kind in found:
+            return None
+        found[kind] = value
+    return tuple((k, found[k]) for k in ATTRIBUTE_KINDS if k in found)
+
+
+def _construct(words: list[str]) -> str | None:
+    """The unsupported construct the words after a count show, if one can be named."""
+    for i, word in enumerate(words):
+        later = i > 0
+        if word in CLAUSE_WORDS:
+            return f"it has a nested clause ({' '.join(words[i:])!r}), which the offline parser " \
+                   f"does not read"
+        if later and word in VERBS:
+            return f"it has a verb ({word!r}), which the offline parser does not read"
+        if later and word == "of":
+            return (f"it has an 'of' phrase ({' '.join(words[i - 1:i + 2])!r}); quantities and "
+                    f"containers such as 'a cup of tea' are not read")
+        if later and word in _RELATION_PARTS:
+            return (f"relation form {' '.join(words[max(0, i - 2):i + 2])!r} is not one the "
+                    f"offline parser reads; its forms are {sorted(RELATION_PHRASES)}")
+        if later and word in UNSUPPORTED_RELATIONS:
+            return (f"relation {word!r} is not one the offline parser reads; its forms are "
+                    f"{sorted(RELATION_PHRASES)}")
+        joins = i + 1 < len(words) and (words[i + 1] in _NOT_NOUN_WORDS
+                                        or words[i + 1] in UNSUPPORTED_RELATIONS)
+        if later and joins and word.endswith(("ing", "ed")) and word not in ATTRIBUTE_KIND:
+            return f"it has a verb ({word!r}), which the offline parser does not read"
+    return None
+
+
+def _no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None) -> str:
+    construct = _construct(rest)
+    if construct:
+        return f"{construct} (in noun phrase {text!r}); {_LLM}"
+    head_at = _head_start(rest, nouns)
+    if head_at is None:
+        return (f"noun phrase {text!r} names none of the listed nouns {sorted(nouns or ())}; "
+                "check the prompt against its metadata")
+    before, head = rest[:head_at], " ".join(rest[head_at:])
+    if not before and head in ATTRIBUTE_KIND:
+        return (f"{head!r} in {text!r} is an attribute ({ATTRIBUTE_KIND[head]}), not a noun; "
+                f"name the object after it")
+    kinds, unknown, extra = {}, [], []
+    for word, after in zip(before, [*before[1:], head]):
+        colored = word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
+        kind = ATTRIBUTE_KIND.get(word, "color" if colored else None)
+        if kind is None:
+            unknown.append(word)
+        elif kind in kinds and word not in COLOR_MODIFIERS:
+            extra.append(word)
+        kinds.setdefault(kind, word)
+    if unknown:
+        return (f"{unknown} before the noun {head!r} in {text!r} is not an attribute word the "
+                f"offline parser knows ({', '.join(ATTRIBUTE_KINDS)}) nor part of a known noun; "
+                f"add it to cast_core/csg_vocabulary.json, give the parser a noun list, or {_LLM}")
+    if extra:
+        return (f"noun phrase {text!r} gives an attribute kind twice: {extra} repeats a kind "
+                f"already given; one value per kind ({_LLM})")
+    return f"noun phrase {text!r} does not read as attributes and a noun; {_LLM}"
+
+
+def _head_start(rest: list[str], nouns: frozenset[str] | None) -> int | None:
+    """Where the noun starts for an error message: the longest listed noun ending the words, else
+    the last word; None when a noun list is given and no ending is in it."""
+    for j in range(len(rest)):
+        words = rest[j:]
+        if nouns is not None and (" ".join(words) in nouns
+                                  or singularize(" ".join(words)) in nouns):
+            return j
+        if nouns is None and len(words) > 1 and singularize(" ".join(words)) in COMPOUND_NOUNS:
+            return j
+    return None if nouns is not None else len(rest) - 1
 
 
 def graph_from_geneval(record: dict[str, Any]) -> SceneGraph:
@@ -170,7 +294,7 @@ def graph_from_geneval(record: dict[str, Any]) -> SceneGraph:
                                f"list, got {record!r}")
     order, relation = _clause_order(include, prompt)
     phrases = [_clause_phrase(include[i], prompt) for i in order]
-    return build_graph(prompt, phrases, relation, record.get("tag"))
+    return build_graph(prompt, phrases, [(0, relation, 1)] if relation else [], record.get("tag"))
 
 
 def _clause_order(include: list[Any], prompt: str) -> tuple[list[int], str | None]:
@@ -197,56 +321,26 @@ def _clause_phrase(clause: Any, prompt: str) -> NounPhrase:
     color = clause.get("color")
     if color is not None and color not in COLOR_WORDS:
         raise _fail(prompt, f"metadata colour {color!r} is not one of {COLOR_WORDS}")
-    return NounPhrase(clause["class"], count, color)
+    return NounPhrase(clause["class"], count, (("color", color),) if color else ())
 
 
-def build_graph(prompt: str, phrases: list[NounPhrase], relation: str | None = None,
-                tag: str | None = None) -> SceneGraph:
-    """Graph with node i for phrases[i]; `relation` (if any) says phrases[0] REL phrases[1]."""
-    kinds = [(p.noun, p.color) for p in phrases]
+def build_graph(prompt: str, phrases: list[NounPhrase],
+                edges: Iterable[tuple[int, str, int]] = (), tag: str | None = None) -> SceneGraph:
+    """Graph with node i for phrases[i] and edge k for edges[k] = (subject i, relation, object j)."""
+    kinds = [(p.noun, p.attributes) for p in phrases]
     repeated = sorted({k for k in kinds if kinds.count(k) > 1}, key=str)
     if repeated:
-        raise _fail(prompt, f"noun phrases {repeated} appear twice; state each kind once with "
+        shown = [(noun, dict(attributes).get("color")) if {k for k, _ in attributes} <= {"color"}
+                 else (noun, dict(attributes)) for noun, attributes in repeated]
+        raise _fail(prompt, f"noun phrases {shown} appear twice; state each kind once with "
                             "its total count")
     nodes = tuple(object_node(f"obj{i}", p.noun, p.count, p.attributes)
                   for i, p in enumerate(phrases))
-    edges = (relation_edge("rel0", nodes[0], relation, nodes[1]),) if relation else ()
-    graph = SceneGraph(prompt, nodes, edges, tag)
-    validate_graph(graph)
+    graph_edges = tuple(relation_edge(f"rel{k}", nodes[i], relation, nodes[j])
+                        for k, (i, relation, j) in enumerate(edges))
+    graph = SceneGraph(prompt, nodes, graph_edges, tag)
+    try:
+        validate_graph(graph)
+    except ValueError as err:
+        raise _fail(prompt, str(err)) from err
     return graph
-
-
-def object_node(node_id: str, noun: str, count: int,
-                attributes: tuple[tuple[str, str], ...]) -> ObjectNode:
-    """Node with its object atom, a count atom when count >= 2, then one atom per attribute
-    ("<node_id>/<key>") in the order given."""
-    atoms = [Atom(node_id, "object", f"Is there {noun_phrase(1, noun)}?", "yes", (), node_id)]
-    color = dict(attributes).get("color")
-    if count > 1:
-        what = " ".join(w for w in (color, pluralize(noun)) if w)
-        atoms.append(Atom(f"{node_id}/count", "count", f"How many {what} are there?", str(count),
-                          (node_id,), node_id, value=str(count)))
-    ask = f"Is the {noun}" if count == 1 else f"Are the {pluralize(noun)}"
-    for key, value in attributes:
-        atoms.append(Atom(f"{node_id}/{key}", "attribute", f"{ask} {value}?", "yes",
-                          (node_id,), node_id, value=value))
-    return ObjectNode(node_id, noun, count, attributes, tuple(atoms))
-
-
-def relation_edge(edge_id: str, subject_node: ObjectNode, relation: str,
-                  object_node: ObjectNode) -> RelationEdge:
-    """Edge `subject_node` `relation` `object_node` with its one relation atom, whose parents are
-    the two object atoms."""
-    verb = "Is" if subject_node.count == 1 else "Are"
-    question = (f"{verb} the {node_description(subject_node)} {relation} "
-                f"the {node_description(object_node)}?")
-    ends = (subject_node.id, object_node.id)
-    atom = Atom(edge_id, "relation", question, "yes", ends, *ends, relation)
-    return RelationEdge(edge_id, subject_node.id, relation, object_node.id, (atom,))
-
-
-def node_description(node: ObjectNode) -> str:
-    """The node after "the" in a relation question: "red circle", "two red circles"."""
-    words = [NUMBER_NAMES[node.count] if node.count > 1 else None, node.color,
-             node.noun if node.count == 1 else pluralize(node.noun)]
-    return " ".join(w for w in words if w)

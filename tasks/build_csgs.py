@@ -3,13 +3,14 @@ atom (`atoms`). Run-level (iteration -1): every iteration draws its prompts from
 
 Cached on the prompt file's content hash and the builder id. The whole file is read and checked
 before anything is written, so a malformed line raises PromptFileError (file and line) and leaves
-the store untouched.
+the store untouched; so does a record the builder fails on (its error, with file and line).
 """
 
 from __future__ import annotations
 
+from cast_core.shapes.prompts import PromptFileError
 from tasks.models import builder_id, graph_builder
-from tasks.prompt_sets import load_prompts
+from tasks.prompt_sets import prompt_lines
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
 from tasks.stage import RUN_LEVEL, StageRef, file_hash, make_key, run_stage, stage_task
@@ -27,15 +28,20 @@ def build_csgs(store: Store, recipe: Recipe) -> StageRef:
     run_id = recipe.run.name
 
     def body():
-        records = load_prompts(recipe, recipe.prompts.train)
+        path = recipe.prompts.train
+        lines = prompt_lines(recipe, path)
         build, builder = graph_builder(recipe), builder_id(recipe)
         csgs, atoms, seen = [], [], set()
-        for record in records:
+        for line_no, record in lines:
             pid = prompt_id(record["prompt"])
             if pid in seen:
                 continue
             seen.add(pid)
-            graph = build(record)
+            try:
+                graph = build(record)
+            except (ValueError, RuntimeError) as err:
+                raise PromptFileError(f"{path}, line {line_no}: the CSG builder failed: "
+                                      f"{err}") from err
             graph_atoms = graph.atoms()
             csgs.append({"run_id": run_id, "prompt_id": pid, "prompt": graph.prompt,
                          "tag": record.get("tag"), "split": "train", "builder": builder,

@@ -114,12 +114,13 @@ def test_free_form_answer_with_two_relations_and_other_attributes():
         ("obj0", "object", "yes", (), None, "Is there an apple?"),
         ("obj0/count", "count", "3", ("obj0",), "3", "How many apples are there?"),
         ("obj1", "object", "yes", (), None, "Is there a table?"),
-        ("obj1/material", "attribute", "yes", ("obj1",), "wooden", "Is the table wooden?"),
+        ("obj1/material", "attribute", "yes", ("obj1",), "wooden", "Is the table made of wood?"),
         ("obj2", "object", "yes", (), None, "Is there a cat?"),
         ("obj2/state", "attribute", "yes", ("obj2",), "sleeping", "Is the cat sleeping?"),
         ("rel0", "relation", "yes", ("obj0", "obj1"), "above",
-         "Are the three apples above the table?"),
-        ("rel1", "relation", "yes", ("obj2", "obj1"), "below", "Is the cat below the table?"),
+         "Are the three apples above the wooden table?"),
+        ("rel1", "relation", "yes", ("obj2", "obj1"), "below",
+         "Is the sleeping cat below the wooden table?"),
     ]
 
 

@@ -6,9 +6,12 @@ prefix (thinking disabled), of the accepted forms of the expected answer's FIRST
 - yes/no atoms: the yes forms ("Yes", "yes", "YES", with and without a leading space);
 - count atoms (answer = digit string n): the digit and number-word forms of n ("3", "three",
   "Three", with and without a leading space).
-Forms are configurable; token-id sets are built once from the tokenizer and forms that are not a
-single token are skipped (Qwen's tokenizer splits "10" into "1", "0": count 10 is then read from
-"ten"/"Ten" only; a count with no single-token form at all is a construction error).
+The question is the atom's own text, written by `cast_core.csg_questions` with one form per atom
+kind (object, count, colour/size/shape/state, material "made of", pattern, texture, relation), so
+every kind is asked with the yes/no instruction except counts. Forms are configurable; token-id
+sets are built once from the tokenizer and forms that are not a single token are skipped (Qwen's
+tokenizer splits "10" into "1", "0": count 10 is then read from "ten"/"Ten" only; a count with no
+single-token form at all is a construction error).
 `normalize=True` divides by the mass of all answers of the atom's kind (yes + no forms; every
 count's forms). Off by default, which is GenEval 2's raw probability: an instruction-tuned VLM
 given the answer instruction puts nearly all its mass on the answer forms, so the two agree when

@@ -45,6 +45,7 @@ import json
 import random
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,13 +225,26 @@ def make_pool(train: list[dict[str, Any]], held_out: list[dict[str, Any]], size:
 def load_prompt_file(path: str | Path) -> list[dict[str, Any]]:
     """Records of a shapes-world JSONL prompt file, each line checked (see `check_record`)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            try:
-                records.append(check_record(json.loads(line)))
-            except ValueError as err:
-                raise PromptFileError(f"{path}, line {line_no}: {err}") from err
+    for line_no, line in utf8_lines(path):
+        try:
+            records.append(check_record(json.loads(line)))
+        except ValueError as err:
+            raise PromptFileError(f"{path}, line {line_no}: {err}") from err
     return records
+
+
+def utf8_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of each line of a UTF-8 file; a line that is not UTF-8 raises
+    PromptFileError naming the file, the line and the first bad byte."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise PromptFileError(f"{path}, line {line_no}: byte {raw[err.start]:#04x} "
+                                      f"(byte {err.start + 1} of the line) is not UTF-8; save "
+                                      "the file as UTF-8") from None
+            yield line_no, text
 
 
 def check_record(record: Any) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""The offline scene-graph parser, measured: parse rate and exactness on compositional prompts,
+silently wrong graphs on every set, GenEval-format agreement, and parsing time.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_parser.py [--geneval FILE ...] [--repeats 5]
+
+Sets:
+- held-out: tests/data/compositional_heldout.jsonl (356 prompts written before the grammar and not
+  tuned to afterwards), each with its intended graph;
+- table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
+- GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
+  JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
+  test_metadata.jsonl files), each record parsed from its text twice, with its classes as the
+  noun list and with none, and compared with the graph of its metadata.
+"Exact" means the parsed graph equals the intended one; "silently wrong" means it parsed but is not
+the intended graph; the rest raised PromptParseError. Time: the median of `repeats` runs of
+parsing the held-out prompts over and over to 10,000, and 10,000 GenEval-format prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from test_csg_grammar import TABLE
+
+from cast_core.csg_parser import PromptParseError, graph_from_geneval, parse_prompt
+from cast_core.csg_vocab import ATTRIBUTE_KINDS
+
+
+def shape(graph) -> tuple[list, list]:
+    index = {n.id: i for i, n in enumerate(graph.nodes)}
+    return ([(n.noun, n.count, n.attributes) for n in graph.nodes],
+            [(index[e.subject], e.relation, index[e.object]) for e in graph.edges])
+
+
+def held_out() -> list[tuple[str, list, list]]:
+    rows = []
+    for line in (REPO / "tests/data/compositional_heldout.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        nodes = [(n["noun"], n["count"], tuple(sorted(
+            n["attributes"].items(), key=lambda kv: ATTRIBUTE_KINDS.index(kv[0]))))
+            for n in row["nodes"]]
+        rows.append((row["prompt"], nodes, [tuple(e) for e in row["edges"]]))
+    return rows
+
+
+def score(rows: list[tuple[str, list, list]]) -> tuple[int, int, list[str]]:
+    """(parsed, exact, prompts parsed silently wrong)."""
+    parsed, exact, wrong = 0, 0, []
+    for prompt, nodes, edges in rows:
+        try:
+            got = shape(parse_prompt(prompt))
+        except PromptParseError:
+            continue
+        parsed += 1
+        exact += got == (nodes, edges)
+        if got != (nodes, edges):
+            wrong.append(prompt)
+    return parsed, exact, wrong
+
+
+def report(name: str, rows: list) -> None:
+    parsed, exact, wrong = score(rows)
+    n = len(rows)
+    print(f"{name:<26} n={n:<5} parsed {parsed / n:6.1%}  exact {exact / n:6.1%}  "
+          f"silently wrong {len(wrong)}")
+    for prompt in wrong:
+        print(f"    differs: {prompt!r}")
+
+
+def geneval(path: Path) -> tuple[int, int, int, int]:
+    """(records, exact with noun list, exact without, silently wrong on either path)."""
+    records = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    exact_listed = exact_free = wrong = 0
+    for r in records:
+        metadata = graph_from_geneval(r)
+        for nouns in ({c["class"] for c in r["include"]}, None):
+            try:
+                same = parse_prompt(r["prompt"], r.get("tag"), nouns) == metadata
+            except PromptParseError:
+                continue
+            wrong += not same
+            exact_listed += same and nouns is not None
+            exact_free += same and nouns is None
+    return len(records), exact_listed, exact_free, wrong
+
+
+def per_10k(prompts: list[str], repeats: int) -> list[float]:
+    batch = (prompts * (10_000 // len(prompts) + 1))[:10_000]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for prompt in batch:
+            try:
+                parse_prompt(prompt)
+            except PromptParseError:
+                pass
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--geneval", type=Path, nargs="*", default=[])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows = held_out()
+    report("held-out compositional", rows)
+    report("hand-written table", TABLE)
+    files = sorted((REPO / "data/prompts").glob("*.jsonl")) + list(args.geneval)
+    geneval_prompts = []
+    for path in files:
+        n, listed, free, wrong = geneval(path)
+        print(f"GenEval format {path.name:<30} n={n:<5} exact with nouns {listed / n:6.1%}  "
+              f"text only {free / n:6.1%}  silently wrong {wrong}")
+        geneval_prompts += [json.loads(x)["prompt"] for x in path.read_text().splitlines()
+                            if x.strip()]
+    for name, prompts in (("held-out", [p for p, _, _ in rows]), ("GenEval", geneval_prompts)):
+        times = per_10k(prompts, args.repeats)
+        print(f"parse time per 10,000 {name} prompts: median {statistics.median(times):.3f} s "
+              f"(min {min(times):.3f}, max {max(times):.3f}, n={len(times)})")
+
+
+if __name__ == "__main__":
+    main()

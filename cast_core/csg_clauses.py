@@ -1,0 +1,112 @@
+"""A prompt body's clause structure: noun-phrase spans, the separators and relations between them,
+and which relation edges they make. The offline parser (`cast_core.csg_parser`) reads each span.
+
+Words are split on single spaces (a comma ends a word); ", ", " and " and ", and " separate; a
+relation form ("to the left of", "under", "next to", ...) is matched longest first and becomes its
+canonical relation. The edge rules and the ambiguous shapes that raise are those of the parser's
+docstring: a relation takes the list after it as objects; "and" + relation keeps the subject; a
+phrase after the first object that is followed by a relation starts a new clause; a chain, a list
+before a relation, and a new clause after two or more objects raise ValueError saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cast_core.csg_vocab import RELATION_FORMS, RELATION_PHRASES
+
+SEP = "sep"
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A relation between two spans: `form` as written, `canonical` as stored; `also` when it
+    came right after "and" with no noun phrase between (it keeps the clause's subject)."""
+
+    canonical: str
+    form: str
+    also: bool = False
+
+
+def split_items(body: str) -> tuple[list[list[str]], list[str | Relation]]:
+    """(spans, ops): len(spans) == len(ops) + 1 and ops[k] joins spans[k] and spans[k + 1]."""
+    tokens = _tokens(body)
+    spans: list[list[str]] = [[]]
+    ops: list[str | Relation] = []
+    i = 0
+    while i < len(tokens):
+        form = _relation_at(tokens, i)
+        if tokens[i] in (",", "and"):
+            i += 2 if tokens[i] == "," and tokens[i + 1:i + 2] == ["and"] else 1
+            ops.append(SEP)
+            spans.append([])
+        elif form:
+            i += len(form)
+            phrase = " ".join(form)
+            if ops and ops[-1] == SEP and not spans[-1]:
+                ops[-1] = Relation(RELATION_PHRASES[phrase], phrase, also=True)
+            else:
+                ops.append(Relation(RELATION_PHRASES[phrase], phrase))
+                spans.append([])
+        else:
+            spans[-1].append(tokens[i])
+            i += 1
+    return spans, ops
+
+
+def _tokens(body: str) -> list[str]:
+    tokens = []
+    for word in body.split(" "):
+        if len(word) > 1 and word.endswith(","):
+            tokens += [word[:-1], ","]
+        else:
+            tokens.append(word)
+    return tokens
+
+
+def _relation_at(tokens: list[str], i: int) -> tuple[str, ...] | None:
+    return next((f for f in RELATION_FORMS if tuple(tokens[i:i + len(f)]) == f), None)
+
+
+def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tuple[int, str, int]]:
+    """Edges (subject span, canonical relation, object span) in order of appearance."""
+    relations = [op for op in ops if isinstance(op, Relation)]
+    for k, op in enumerate(ops):
+        if isinstance(op, Relation) and not spans[k + 1]:
+            raise ValueError(f"relation {op.form!r} must be followed by a noun phrase")
+        if isinstance(op, Relation) and not spans[k]:
+            raise ValueError(f"relation {op.form!r} needs a noun phrase before it")
+    edges: list[tuple[int, str, int]] = []
+    subject, relation, run = 0, None, [0]
+    for k, op in enumerate(ops):
+        if op == SEP:
+            run.append(k + 1)
+            if relation is not None:
+                edges.append((subject, relation.canonical, k + 1))
+            continue
+        if op.also and relation is None:
+            raise ValueError(f"'and {op.form}' needs a relation before it to share its subject")
+        if not op.also:
+            subject = _next_subject(k, op, relation, run, relations)
+            if relation is not None:
+                edges.remove((edges[-1][0], relation.canonical, k))
+        relation, run = op, [k + 1]
+        edges.append((subject, op.canonical, k + 1))
+    return edges
+
+
+def _next_subject(k: int, op: Relation, previous: Relation | None, run: list[int],
+                  relations: list[Relation]) -> int:
+    """The subject of relation `op` written right after span k (see the module docstring)."""
+    if previous is None and len(run) > 1:
+        raise ValueError(f"a list of noun phrases comes before the relation {op.form!r}, which "
+                         "is ambiguous (does it place all of them, or only the last?)")
+    if previous is not None and k == run[0]:
+        raise ValueError(f"it has {len(relations)} relation words "
+                         f"{[r.form for r in relations]} in a chain: the noun phrase between "
+                         f"{previous.form!r} and {op.form!r} is the object of one and the subject "
+                         "of the other, which is ambiguous")
+    if previous is not None and len(run) > 2:
+        raise ValueError(f"the relation {op.form!r} follows a list of objects of "
+                         f"{previous.form!r}, which is ambiguous (does it place only the last?)")
+    return k

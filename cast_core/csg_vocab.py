@@ -1,0 +1,119 @@
+"""The offline parser's words: attribute classes, relation phrases, multi-word nouns, plurals.
+
+The closed classes live in `csg_vocabulary.json` next to this file (its `_source` says where they
+come from); this module loads them once into read-only constants and checks that no word belongs
+to two attribute kinds. A word is an attribute only when that file lists it, and a noun may be more
+than one word only when it is listed there as a compound noun (or given to the parser as a noun
+list): anything else in attribute position is an error, never part of the noun.
+
+Relation phrases map the forms people write to one canonical relation each ("under" and
+"beneath" are "below", "over" is "above", "beside" is "next to", "near" is "close to", "to the
+left of" is "left of"). Plurals: rules plus a small irregular table, which also undoes GenEval's
+own naive plural (name + "es" after a final s, else + "s"), so "two computer mouses", "two skises"
+and "two knifes" from GenEval's generator parse back to their class names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import MappingProxyType
+
+_DATA = json.loads((Path(__file__).with_name("csg_vocabulary.json")).read_text(encoding="utf-8"))
+
+ATTRIBUTE_KINDS: tuple[str, ...] = tuple(_DATA["attribute_kinds"])
+MATERIAL_SUBSTANCE = MappingProxyType(dict(_DATA["attributes"]["material"]))
+COLOR_MODIFIERS: frozenset[str] = frozenset(_DATA["color_modifiers"])
+ALSO_NOUNS: frozenset[str] = frozenset(_DATA["also_nouns"])
+COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["compound_nouns"])
+UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
+VERBS: frozenset[str] = frozenset(_DATA["verbs"])
+CLAUSE_WORDS: frozenset[str] = frozenset(_DATA["clause_words"])
+
+
+def _attribute_kinds() -> dict[str, str]:
+    kind_of: dict[str, str] = {}
+    for kind in ATTRIBUTE_KINDS:
+        for word in _DATA["attributes"][kind]:
+            if word in kind_of:
+                raise ValueError(f"csg_vocabulary.json lists {word!r} as both {kind_of[word]!r} "
+                                 f"and {kind!r}; keep it in one kind")
+            kind_of[word] = kind
+    return kind_of
+
+
+ATTRIBUTE_KIND = MappingProxyType(_attribute_kinds())
+
+RELATION_PHRASES = MappingProxyType({
+    "left of": "left of", "to the left of": "left of", "on the left of": "left of",
+    "right of": "right of", "to the right of": "right of", "on the right of": "right of",
+    "above": "above", "over": "above",
+    "below": "below", "under": "below", "underneath": "below", "beneath": "below",
+    "in front of": "in front of", "behind": "behind",
+    "on top of": "on top of", "atop": "on top of",
+    "next to": "next to", "beside": "next to",
+    "near": "close to", "close to": "close to",
+    "with": "with",
+})
+RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
+    (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))
+
+IRREGULAR_PLURALS: dict[str, str] = {
+    "person": "people", "man": "men", "woman": "women", "child": "children", "mouse": "mice",
+    "goose": "geese", "foot": "feet", "tooth": "teeth", "knife": "knives", "wife": "wives",
+    "life": "lives", "leaf": "leaves", "loaf": "loaves", "wolf": "wolves", "shelf": "shelves",
+    "half": "halves", "calf": "calves", "potato": "potatoes", "tomato": "tomatoes",
+    "cookie": "cookies", "movie": "movies",
+}
+INVARIANT_NOUNS: frozenset[str] = frozenset({"sheep", "deer", "fish", "moose", "bison",
+                                             "series", "species", "scissors"})
+# Plurals read back to their singular, but never written by `pluralize` (so the question text of
+# a graph built before they were added does not change).
+_READ_ONLY_PLURALS: dict[str, str] = {
+    "cacti": "cactus", "fungi": "fungus", "oxen": "ox", "scarves": "scarf", "elves": "elf",
+    "hooves": "hoof", "thieves": "thief", "dwarves": "dwarf", "heroes": "hero",
+    "volcanoes": "volcano", "mangoes": "mango", "dominoes": "domino", "echoes": "echo",
+    "dice": "die", "octopi": "octopus",
+}
+_SINGULAR_EXCEPTIONS: dict[str, str] = {
+    **{p: s for s, p in IRREGULAR_PLURALS.items()}, **_READ_ONLY_PLURALS,
+    "mouses": "mouse", "houses": "house", "scissorses": "scissors",
+}
+
+
+def singularize(noun: str) -> str:
+    """Singular of a plural noun phrase: only its last word changes ("wine glasses")."""
+    *head, last = noun.split(" ")
+    return " ".join([*head, _singular_word(last)])
+
+
+def _singular_word(word: str) -> str:
+    if word in _SINGULAR_EXCEPTIONS:
+        return _SINGULAR_EXCEPTIONS[word]
+    if word in INVARIANT_NOUNS or not word.endswith("s") or word.endswith(("ss", "us")):
+        return word
+    if word.endswith("ies"):
+        return word[:-3] + "y" if len(word) > 4 else word[:-1]
+    if word.endswith(("xes", "ches", "shes")):
+        return word[:-2]
+    if word.endswith("ses") and word[:-2].endswith(("ss", "us", "is")):
+        return word[:-2]
+    return word[:-1]
+
+
+def pluralize(noun: str) -> str:
+    """Plural of a singular noun phrase, the inverse of `singularize` on its last word."""
+    *head, last = noun.split(" ")
+    return " ".join([*head, _plural_word(last)])
+
+
+def _plural_word(word: str) -> str:
+    if word in IRREGULAR_PLURALS:
+        return IRREGULAR_PLURALS[word]
+    if word in INVARIANT_NOUNS:
+        return word
+    if word.endswith(("s", "x", "ch", "sh")):
+        return word + "es"
+    if word.endswith("y") and len(word) > 1 and word[-2] not in "aeiou":
+        return word[:-1] + "ies"
+    return word + "s"
