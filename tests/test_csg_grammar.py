@@ -68,7 +68,7 @@ def test_table_is_large_and_covers_every_kind():
     assert len(TABLE) >= 200
     assert kinds == set(ATTRIBUTE_KINDS)
     assert relations == {"left of", "right of", "above", "below", "in front of", "behind",
-                         "on top of", "next to", "close to", "with"}
+                         "on top of", "next to", "close to", "with", "on", "in"}
 
 
 @pytest.mark.parametrize("prompt, nodes, edges", TABLE, ids=[row[0] for row in TABLE])
@@ -90,6 +90,13 @@ def test_table_parses_exactly(prompt, nodes, edges):
         "How many tiny glass sheep are there?", "Are the sheep tiny?",
         "Are the sheep made of glass?",
         "Is the sparkling truck behind the two tiny glass sheep?"]),
+    ("three red apples in a wooden bowl; the bowl is on a table", [
+        "Is there an apple?", "How many red apples are there?", "Are the apples red?",
+        "Is there a bowl?", "Is the bowl made of wood?", "Is there a table?",
+        "Are the three red apples in the wooden bowl?", "Is the wooden bowl on the table?"]),
+    ("a cat next to a dog, the dog is brown and fluffy", [
+        "Is there a cat?", "Is there a dog?", "Is the dog brown?", "Does the dog look fluffy?",
+        "Is the cat next to the fluffy brown dog?"]),
     ("a round broken mirror with a teal frame", [
         "Is there a mirror?", "Is the mirror round?", "Is the mirror broken?", "Is there a frame?",
         "Is the frame teal?", "Is the broken round mirror with the teal frame?"]),
@@ -170,6 +177,9 @@ NEGATIVE = [
     ("a cat;", "empty statement"),
     ("a cat; ; a dog", "empty statement"),
     ("a cup that is red", "nested clause"),
+    ("two goldfish in a bowl next to a plant", "in a chain"),
+    ("a glass of orange juice", "'of' phrase ('glass of orange')"),
+    ("a penguin on an iceberg and two seals in the water", "'the water' names no noun phrase"),
     ("a cup; the cup that is red is big", "nested clause"),
     ("several cats", "not 'several'"),
     ("eleven cats", "not 'eleven'"),
