@@ -182,6 +182,9 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         else:
             phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0))
             index.append(len(phrases) - 1)
+    if not local and all(span[:1] == ["the"] for span in spans):
+        raise _fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
+                            "noun phrases written before it and says nothing about them")
     for i, _, j in local:
         if index[i] == index[j]:
             raise _fail(prompt, f"it relates {' '.join(spans[i])!r} to "

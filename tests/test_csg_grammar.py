@@ -175,6 +175,7 @@ NEGATIVE = [
     ("a cat next to the cat", "it relates 'a cat' to 'the cat', the same noun phrase"),
     ("a cat next to a dog; the cat is next to the dog", "the same two noun phrases twice"),
     ("a cat;", "empty statement"),
+    ("a cat next to a dog; the dog", "statement 'the dog' only names noun phrases"),
     ("a cat; ; a dog", "empty statement"),
     ("a cup that is red", "nested clause"),
     ("two goldfish in a bowl next to a plant", "in a chain"),
