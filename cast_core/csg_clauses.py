@@ -1,12 +1,16 @@
-"""A prompt body's clause structure: noun-phrase spans, the separators and relations between them,
-and which relation edges they make. The offline parser (`cast_core.csg_parser`) reads each span.
+"""A prompt body's clause structure: statements, their noun-phrase spans, the separators and
+relations between them, and which relation edges they make. The offline parser
+(`cast_core.csg_parser`) reads each span.
 
-Words are split on single spaces (a comma ends a word); ", ", " and " and ", and " separate; a
-relation form ("to the left of", "under", "next to", ...) is matched longest first and becomes its
-canonical relation. The edge rules and the ambiguous shapes that raise are those of the parser's
-docstring: a relation takes the list after it as objects; "and" + relation keeps the subject; a
-phrase after the first object that is followed by a relation starts a new clause; a chain, a list
-before a relation, and a new clause after two or more objects raise ValueError saying why.
+Words are split on single spaces (a comma, ";" or "." ends a word). ";" and "." end a statement
+(a final "." is dropped), and so does a separator before a predication, a span "the ... is|are"
+("a cat next to a dog, the dog is brown"). Within a statement ", ", " and " and ", and " separate;
+a relation form ("to the left of", "under", "next to", "on", ...) is matched longest first and
+becomes its canonical relation. The edge rules and the ambiguous shapes that raise are those of
+the parser's docstring: a relation takes the list after it as objects; "and" + relation keeps the
+subject; a phrase after the first object that is followed by a relation starts a new clause; a
+chain, a list before a relation, and a new clause after two or more objects raise ValueError
+saying why.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 from cast_core.csg_vocab import RELATION_FORMS, RELATION_PHRASES
 
 SEP = "sep"
+STATEMENT_ENDS = (";", ".")
+PREDICATE_VERBS = frozenset({"is", "are"})
 
 
 @dataclass(frozen=True)
@@ -28,9 +34,47 @@ class Relation:
     also: bool = False
 
 
-def split_items(body: str) -> tuple[list[list[str]], list[str | Relation]]:
-    """(spans, ops): len(spans) == len(ops) + 1 and ops[k] joins spans[k] and spans[k + 1]."""
+Statement = tuple[list[list[str]], list["str | Relation"]]
+
+
+def split_statements(body: str) -> list[Statement]:
+    """(spans, ops) of each statement, as `split_items` gives them; ValueError on an empty one."""
     tokens = _tokens(body)
+    if tokens[-1:] == ["."]:
+        tokens = tokens[:-1]
+    pieces: list[list[str]] = [[]]
+    for token in tokens:
+        if token in STATEMENT_ENDS:
+            pieces.append([])
+        else:
+            pieces[-1].append(token)
+    statements: list[Statement] = []
+    for piece in pieces:
+        if not piece:
+            raise ValueError("it has an empty statement (';' or '.' at the start or twice in a "
+                             "row)")
+        statements += _cut_before_predications(*split_items(piece))
+    return statements
+
+
+def is_predication(span: list[str]) -> bool:
+    """Whether a span is "the ... is|are ...": a back-reference with something said about it."""
+    return span[:1] == ["the"] and any(w in PREDICATE_VERBS for w in span)
+
+
+def _cut_before_predications(spans: list[list[str]],
+                             ops: list[str | Relation]) -> list[Statement]:
+    cuts = [k for k, op in enumerate(ops) if op == SEP and is_predication(spans[k + 1])]
+    statements, start = [], 0
+    for k in cuts:
+        statements.append((spans[start:k + 1], ops[start:k]))
+        start = k + 1
+    return [*statements, (spans[start:], ops[start:])]
+
+
+def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation]]:
+    """(spans, ops) of one statement's tokens: len(spans) == len(ops) + 1 and ops[k] joins
+    spans[k] and spans[k + 1]."""
     spans: list[list[str]] = [[]]
     ops: list[str | Relation] = []
     i = 0
@@ -57,8 +101,8 @@ def split_items(body: str) -> tuple[list[list[str]], list[str | Relation]]:
 def _tokens(body: str) -> list[str]:
     tokens = []
     for word in body.split(" "):
-        if len(word) > 1 and word.endswith(","):
-            tokens += [word[:-1], ","]
+        if len(word) > 1 and word.endswith((",", *STATEMENT_ENDS)):
+            tokens += [word[:-1], word[-1]]
         else:
             tokens.append(word)
     return tokens
@@ -100,7 +144,9 @@ def _next_subject(k: int, op: Relation, previous: Relation | None, run: list[int
     """The subject of relation `op` written right after span k (see the module docstring)."""
     if previous is None and len(run) > 1:
         raise ValueError(f"a list of noun phrases comes before the relation {op.form!r}, which "
-                         "is ambiguous (does it place all of them, or only the last?)")
+                         "is ambiguous (does it place all of them, or only the last? write "
+                         "one clause per subject, e.g. 'a cat next to a tree and a dog next to "
+                         "the tree')")
     if previous is not None and k == run[0]:
         raise ValueError(f"it has {len(relations)} relation words "
                          f"{[r.form for r in relations]} in a chain: the noun phrase between "

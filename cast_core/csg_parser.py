@@ -1,29 +1,37 @@
 """Deterministic CSG builder for compositional prompts, from prompt text or GenEval metadata.
 
 Grammar (GenEval's six templates and the shapes world's forms are all instances):
-    prompt  := [PREFIX] clause ( SEP clause )*          PREFIX: "a photo of ", "an image of ", ...
-    clause  := NP  |  NP REL NP ( SEP NP )* ( SEP REL NP ( SEP NP )* )*
-    NP      := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN
-    SEP     := ", " | " and " | ", and "
+    prompt    := [PREFIX] statement ( (";" | ".") statement )* ["."]   PREFIX: "a photo of ", ...
+    statement := clause ( SEP clause )*  |  the-NP (is|are) ATTRIBUTE ( SEP ATTRIBUTE )*
+               | the-NP (is|are) REL NP ( SEP NP )*
+    clause    := NP  |  NP REL NP ( SEP NP )* ( SEP REL NP ( SEP NP )* )*
+    NP        := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN  |  the-NP
+    the-NP    := "the" ATTRIBUTE* NOUN       (names one noun phrase written before it)
+    SEP       := ", " | " and " | ", and "
 REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "to the left of",
-"under", "behind", "in front of", "on top of", "next to", "beside", "near", "with", ...), each
-read as its canonical relation. A relation followed by a list relates its subject to each listed
-noun phrase ("a cat next to two dogs and a red chair": two edges). "and" before a second relation
-keeps the subject ("a cat left of a dog and above a box"); a noun phrase after the first object
-that is itself followed by a relation starts a new clause ("a cat left of a dog and a bird above
-a tree": the bird is above the tree).
+"under", "behind", "in front of", "on top of", "next to", "beside", "near", "with", "on", "in",
+...), each read as its canonical relation. A relation followed by a list relates its subject to
+each listed noun phrase ("a cat next to two dogs and a red chair": two edges). "and" before a
+second relation keeps the subject ("a cat left of a dog and above a box"); a noun phrase after the
+first object that is itself followed by a relation starts a new clause ("a cat left of a dog and a
+bird above a tree": the bird is above the tree). A separator before "the ... is|are" also starts a
+statement ("a cat next to a dog, the dog is brown"). Back-references and predications:
+`cast_core.csg_references` (a reference must name exactly one earlier noun phrase; a predication
+adds attributes to it, or relates it).
 
 Refused as ambiguous, each with its reason: a chain ("A left of B above C": which one is above
-C?), a list before a relation ("A and B left of C": both, or only B?), and a new clause after two
-or more objects. ATTRIBUTE words come from the vocabulary file (colour, size, material, pattern,
-texture, shape, state; "light"/"dark"... + colour is one colour); a node's attributes are kept in
-`ATTRIBUTE_KINDS` order. NOUN is one plain word, or a listed compound noun ("fire hydrant"), or,
-when a noun list is given, one of its nouns; with a count >= 2 its last word is singularised. A
-vocabulary word is the noun only when nothing follows it and it can be one ("an orange", "a
-glass"). Any other word is an error naming it and, where it can tell, the construct (a verb such
-as "chasing", a nested clause, an unsupported relation such as "on" or "between", an "of" phrase),
-pointing to the LLM builder: the parser never guesses. An NP that agrees badly ("two circle") is
-read as meant, since invariant plurals ("two sheep") cannot be told apart from it.
+C?), a list before a relation ("A and B left of C": both, or only B? the two held-out lists were
+written with opposite readings), and a new clause after two or more objects. ATTRIBUTE words come
+from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
+"dark", "navy"... + colour is one colour); a node's attributes are kept in `ATTRIBUTE_KINDS`
+order. NOUN is one plain word, or a listed compound noun ("fire hydrant", and the few that start
+with an attribute word, such as "golden retriever", read whole), or, when a noun list is given,
+one of its nouns; with a count >= 2 its last word is singularised. A vocabulary word is the noun
+only when nothing follows it and it can be one ("an orange", "a glass"). Any other word is an
+error naming it and, where it can tell, the construct (a verb such as "chasing", a nested clause,
+an unsupported relation such as "between", an "of" phrase), pointing to the LLM builder: the
+parser never guesses. An NP that agrees badly ("two circle") is read as meant, since invariant
+plurals ("two sheep") cannot be told apart from it.
 
 Node order is the order of appearance; edge k is "rel{k}" in order of appearance. GenEval's
 metadata lists a position prompt's reference object first and the subject second (with
@@ -39,7 +47,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cast_core.csg import RELATIONS, SceneGraph, validate_graph
-from cast_core.csg_clauses import Relation, clause_edges, split_items
+from cast_core.csg_clauses import (
+    PREDICATE_VERBS,
+    Relation,
+    clause_edges,
+    is_predication,
+    split_statements,
+)
 from cast_core.csg_questions import (
     NUMBER_NAMES,
     node_description,
@@ -47,6 +61,7 @@ from cast_core.csg_questions import (
     object_node,
     relation_edge,
 )
+from cast_core.csg_references import Reading, antecedent, with_attributes
 from cast_core.csg_vocab import (
     ALSO_NOUNS,
     ATTRIBUTE_KIND,
@@ -132,15 +147,93 @@ def parse_prompt(prompt: str, tag: str | None = None,
                                          f"limit of {MAX_PROMPT_CHARS}; shorten it or {_LLM}")
     listed = None if nouns is None else frozenset(nouns)
     body = next((prompt[len(p):] for p in PREFIXES if prompt.startswith(p)), prompt)
-    spans, ops = split_items(body)
     try:
-        edges = clause_edges(spans, ops)
+        statements = split_statements(body)
     except ValueError as err:
         raise _fail(prompt, f"{err}; {_LLM}") from err
-    roles = _roles(ops)
-    phrases = [_parse_phrase(span, prompt, listed, roles[i], i == 0 and body == prompt)
-               for i, span in enumerate(spans)]
+    phrases: list[NounPhrase] = []
+    edges: list[tuple[int, str, int]] = []
+    for n, (spans, ops) in enumerate(statements):
+        relates = spans[0][-1:] in (["is"], ["are"]) and ops and isinstance(ops[0], Relation)
+        if is_predication(spans[0]) and not relates:
+            _predicate(spans, ops, phrases, prompt, listed)
+            continue
+        spans = [spans[0][:-1], *spans[1:]] if relates else spans
+        edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == prompt)
+    repeated = sorted({e for e in edges if edges.count(e) > 1})
+    if repeated:
+        raise _fail(prompt, f"it states relation {repeated[0][1]!r} between the same two noun "
+                            "phrases twice")
     return build_graph(prompt, phrases, edges, tag)
+
+
+def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
+            prompt: str, nouns: frozenset[str] | None, first: bool) -> list[tuple[int, str, int]]:
+    """Edges of one statement between indices of `phrases`, to which its new noun phrases are
+    appended (a span "the ..." is a reference to one already there)."""
+    try:
+        local = clause_edges(spans, ops)
+    except ValueError as err:
+        raise _fail(prompt, f"{err}; {_LLM}") from err
+    roles, index = _roles(ops), []
+    for i, span in enumerate(spans):
+        if span[:1] == ["the"]:
+            index.append(_reference(span, phrases, prompt, nouns, roles[i]))
+        else:
+            phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0))
+            index.append(len(phrases) - 1)
+    if not local and all(span[:1] == ["the"] for span in spans):
+        raise _fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
+                            "noun phrases written before it and says nothing about them")
+    for i, _, j in local:
+        if index[i] == index[j]:
+            raise _fail(prompt, f"it relates {' '.join(spans[i])!r} to "
+                                f"{' '.join(spans[j])!r}, the same noun phrase")
+    return [(index[i], relation, index[j]) for i, relation, j in local]
+
+
+def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
+               prompt: str, nouns: frozenset[str] | None) -> None:
+    """Apply "the cup is red [and shiny]" to the phrase it names, in place."""
+    at = next(i for i, w in enumerate(spans[0]) if w in PREDICATE_VERBS)
+    subject, verb = spans[0][:at], spans[0][at]
+    i = _reference(subject, phrases, prompt, nouns, "")
+    said = f"{' '.join(subject)} {verb}"
+    if any(isinstance(op, Relation) for op in ops) or not all(spans[1:]):
+        raise _fail(prompt, f"after {said!r} comes either attribute words ('the cup is red and "
+                            f"shiny') or one relation ('the cup is next to a plate'); {_LLM}")
+    words = spans[0][at + 1:] + [w for span in spans[1:] for w in span]
+    attributes = _attributes(words) if words else None
+    if attributes is None:
+        construct = _construct([verb, *words])
+        unknown = [w for w in words if w not in ATTRIBUTE_KIND and w not in COLOR_MODIFIERS]
+        reason = construct or (f"{unknown} after {said!r} is not an attribute word the offline "
+                               f"parser knows" if unknown else f"{words} after {said!r} gives an "
+                               "attribute kind twice or nothing")
+        raise _fail(prompt, f"{reason}; {_LLM}")
+    try:
+        phrases[i] = with_attributes(phrases[i], attributes, " ".join(subject), ATTRIBUTE_KINDS)
+    except ValueError as err:
+        raise _fail(prompt, str(err)) from err
+
+
+def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
+               nouns: frozenset[str] | None, role: str) -> int:
+    """Index in `phrases` of the one that "the [attributes] noun" names."""
+    text, rest = " ".join(words), words[1:]
+    _check_noun_words(rest, text, prompt, role)
+    plural = singularize(" ".join(rest)) != " ".join(rest)
+    readings: list[Reading] = []
+    for count in (1, 2) if plural else (1,):
+        split = _split(rest, count, nouns)
+        if split is not None:
+            readings.append((split[0], split[1], count > 1))
+    if not readings:
+        raise _fail(prompt, _no_split_reason(rest, text, nouns))
+    try:
+        return antecedent(text, readings, phrases)
+    except ValueError as err:
+        raise _fail(prompt, f"{err}{role}") from err
 
 
 def _roles(ops: list[str | Relation]) -> list[str]:
@@ -164,16 +257,23 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
                  "(or 1..10)")
         raise _fail(prompt, f"{start}, not {words[0]!r}")
     count, rest = COUNT_WORDS[words[0]], words[1:]
+    _check_noun_words(rest, text, prompt, role)
+    split = _split(rest, count, nouns)
+    if split is None:
+        raise _fail(prompt, _no_split_reason(rest, text, nouns))
+    return NounPhrase(split[0], count, split[1])
+
+
+def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> None:
     bad = [w for w in rest if not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS]
+    if not rest:
+        raise _fail(prompt, f"noun phrase {text!r}{role} must be '(a|an|number|the) "
+                            "[attributes] noun'")
     if bad:
         construct = _construct(rest)
         raise _fail(prompt, (f"{construct}; " if construct else "")
                     + f"noun {' '.join(rest)!r} in {text!r} has words that are not part of a "
                       f"noun: {bad}; {_LLM}")
-    split = _split(rest, count, nouns)
-    if split is None:
-        raise _fail(prompt, _no_split_reason(rest, text, nouns))
-    return NounPhrase(split[0], count, split[1])
 
 
 def _split(rest: list[str], count: int,
@@ -194,7 +294,8 @@ def _is_noun(words: list[str], noun: str, nouns: frozenset[str] | None) -> bool:
     if len(words) > 1:
         return noun in COMPOUND_NOUNS
     word = words[0]
-    plain = word not in VERBS and word not in CLAUSE_WORDS and word not in COLOR_MODIFIERS
+    plain = word not in VERBS and word not in CLAUSE_WORDS and (word not in COLOR_MODIFIERS
+                                                                or word in ALSO_NOUNS)
     return plain and (word not in ATTRIBUTE_KIND or word in ALSO_NOUNS or noun in ALSO_NOUNS)
 
 

@@ -4,11 +4,13 @@ The closed classes live in `csg_vocabulary.json` next to this file (its `_source
 come from); this module loads them once into read-only constants and checks that no word belongs
 to two attribute kinds. A word is an attribute only when that file lists it, and a noun may be more
 than one word only when it is listed there as a compound noun (or given to the parser as a noun
-list): anything else in attribute position is an error, never part of the noun.
+list): anything else in attribute position is an error, never part of the noun. A few compounds
+start with an attribute word ("golden retriever", "rubber duck", "chocolate cake"); the file lists
+them apart (`ATTRIBUTE_COMPOUND_NOUNS`) so that they read as one noun, never as attribute + noun.
 
 Relation phrases map the forms people write to one canonical relation each ("under" and
 "beneath" are "below", "over" is "above", "beside" is "next to", "near" is "close to", "to the
-left of" is "left of"). Plurals: rules plus a small irregular table, which also undoes GenEval's
+left of" is "left of", "inside" is "in"). Plurals: rules plus a small irregular table, which also undoes GenEval's
 own naive plural (name + "es" after a final s, else + "s"), so "two computer mouses", "two skises"
 and "two knifes" from GenEval's generator parse back to their class names.
 """
@@ -25,7 +27,8 @@ ATTRIBUTE_KINDS: tuple[str, ...] = tuple(_DATA["attribute_kinds"])
 MATERIAL_SUBSTANCE = MappingProxyType(dict(_DATA["attributes"]["material"]))
 COLOR_MODIFIERS: frozenset[str] = frozenset(_DATA["color_modifiers"])
 ALSO_NOUNS: frozenset[str] = frozenset(_DATA["also_nouns"])
-COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["compound_nouns"])
+ATTRIBUTE_COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["attribute_compound_nouns"])
+COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["compound_nouns"]) | ATTRIBUTE_COMPOUND_NOUNS
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
 VERBS: frozenset[str] = frozenset(_DATA["verbs"])
 CLAUSE_WORDS: frozenset[str] = frozenset(_DATA["clause_words"])
@@ -53,7 +56,7 @@ RELATION_PHRASES = MappingProxyType({
     "on top of": "on top of", "atop": "on top of",
     "next to": "next to", "beside": "next to",
     "near": "close to", "close to": "close to",
-    "with": "with",
+    "with": "with", "on": "on", "in": "in", "inside": "in",
 })
 RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
     (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))

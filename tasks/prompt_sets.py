@@ -46,11 +46,14 @@ def load_prompts(recipe: Recipe, path: str | Path, *,
 
 def prompt_lines(recipe: Recipe, path: str | Path, *,
                  allow_metadata_only: bool = False) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) of each prompt in the file, checked as `load_prompts` does."""
+    """(line number, record) of each prompt in the file, checked as `load_prompts` does;
+    metadata-only records are allowed when the argument or the recipe's
+    `builder.allow_metadata_only` says so."""
     if recipe.backbone.family == "shapes":
         lines = list(enumerate(load_prompt_file(path), start=1))
     else:
-        lines = _load_jsonl(path, recipe.builder.kind == "geneval-parser", allow_metadata_only)
+        allowed = allow_metadata_only or recipe.builder.allow_metadata_only
+        lines = _load_jsonl(path, recipe.builder.kind == "geneval-parser", allowed)
     if not lines:
         raise PromptFileError(f"{path}: no prompts (the file is empty or has only blank lines); "
                               f"point the recipe at a JSONL file with one prompt per line")

@@ -119,8 +119,11 @@ class ScorerSection(_Section):
 
 class BuilderSection(_Section):
     """Who turns prompts into scene graphs: the GenEval-grammar parser, an LLM behind an
-    OpenAI-compatible endpoint (`base_url`, `model`), or a local causal LM (`model` = folder)."""
+    OpenAI-compatible endpoint (`base_url`, `model`), or a local causal LM (`model` = folder).
+    `allow_metadata_only`: the GenEval parser builds a record whose text it cannot read from its
+    `include` metadata alone, instead of refusing the prompt file (`tasks.prompt_sets`)."""
 
+    hash_if_set: ClassVar[tuple[str, ...]] = ("allow_metadata_only",)
     unpinned: ClassVar[tuple[str, ...]] = ("device", "api_key_env", "timeout_s", "cache_dir")
 
     kind: Literal["geneval-parser", "llm-chat", "llm-local"]
@@ -133,6 +136,7 @@ class BuilderSection(_Section):
     device: str = "cpu"
     cache_dir: str = Field("runs/cache/csg_llm", description="accepted LLM answers, one JSON file "
                            "per (prompt, model, template version)")
+    allow_metadata_only: bool = False
 
     @model_validator(mode="after")
     def _kind_fields(self) -> BuilderSection:

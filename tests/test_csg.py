@@ -140,8 +140,8 @@ def test_geneval_position_layout_puts_subject_first():
     ("a photo of a circle and ", "noun phrase ''"),
     ("a photo of a circle left of a square above a triangle", "2 relation words"),
     ("a photo of a circle and a square left of a triangle", "list of noun phrases"),
-    ("a photo of a red circle on the table", "['on', 'the']"),
-    ("a photo of a circle.", "['circle.']"),
+    ("a photo of a red circle on the table", "'the table' names no noun phrase"),
+    ("a photo of a circle..", "['circle.']"),
     ("a photo of a red blue circle", "['blue']"),
     ("a photo of a circle and a circle", "appear twice"),
 ])

@@ -76,6 +76,18 @@ def test_unparsed_text_needs_allow_metadata_only(tmp_path):
     assert load_prompts(_recipe(path), path, allow_metadata_only=True) == [CAT, record]
 
 
+def test_recipe_flag_allows_metadata_only_and_is_hashed_only_when_set(tmp_path):
+    record = {"tag": "two_object", "prompt": "a photo of a dog chasing a cat",
+              "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1}]}
+    path = _file(tmp_path, [CAT, record])
+    strict, allowed = _recipe(path), _recipe(path, **{"builder.allow_metadata_only": True})
+    assert load_prompts(allowed, path) == [CAT, record]
+    with pytest.raises(PromptFileError, match="allow_metadata_only"):
+        load_prompts(strict, path)
+    assert "allow_metadata_only" not in strict.pinned().get("builder", {})
+    assert allowed.section_hash("builder") != strict.section_hash("builder")
+
+
 def test_metadata_only_never_allows_a_contradiction(tmp_path):
     path = _file(tmp_path, [{**CAT, "include": [{"class": "cat", "count": 3}]}])
     with pytest.raises(PromptFileError, match="contradicts its text"):
