@@ -84,6 +84,9 @@ def nft_gradient(backbone, params, pool, graphs, args, m: int) -> torch.Tensor:
         x0 = sample_ode(backbone, prompts, seeds, STEPS, CFG)
     results = verify(backbone.decode(x0), batch_graphs)
     adv, _ = credit(args, results, batch_graphs, b, g)  # [N] or [N, H, W]
+    if args.center and adv.dim() == 3:  # zero-sum over each group at every position
+        grouped = adv.reshape(b, g, *adv.shape[1:])
+        adv = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(adv.shape)
     r = optimality(adv, 2.0)
     gen = torch.Generator().manual_seed(args.seed * 7919 + m)
     t = 0.02 + 0.96 * torch.rand(len(prompts), generator=gen)
@@ -111,10 +114,13 @@ def main() -> None:
     ap.add_argument("--window", default="0,3")
     ap.add_argument("--noise", type=float, default=NOISE)
     ap.add_argument("--antithetic", action="store_true")
+    ap.add_argument("--center", action="store_true",
+                    help="nft with map credit: subtract each group's mean map at every position")
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=16)
     ap.add_argument("--spatial-mix", type=float, default=1.0)
+    ap.add_argument("--pool", default=str(POOL), help="GenEval-format prompt file (first --prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -126,7 +132,7 @@ def main() -> None:
     backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
     torch.manual_seed(args.seed)
     params = add_lora(backbone, 8, 8.0)
-    pool = [json.loads(line) for line in POOL.read_text().splitlines() if line.strip()]
+    pool = [json.loads(line) for line in Path(args.pool).read_text().splitlines() if line.strip()]
     graphs = [graph_from_geneval(r) for r in pool]
     w0, w1 = (int(v) for v in args.window.split(","))
     spec = RolloutSpec(STEPS, CFG, args.noise, "flow_sde", SdeWindow(w0, w1))
@@ -148,7 +154,8 @@ def main() -> None:
     name = (f"{args.credit} window {args.window} noise {args.noise}"
             f"{' antithetic' if args.antithetic else ''}")
     if args.objective == "nft":
-        name = f"nft {args.credit} (ODE samples)"
+        name = f"nft {args.credit}{' centred' if args.center else ''} (ODE samples)"
+    name = f"{Path(args.pool).stem} x{args.prompts}: {name}"
     print(f"{name}: mean pairwise cosine {mean:.4f} +- {se:.4f} (SE, {len(cos)} pairs of "
           f"{args.batches} batches of {n}); per-sample SNR {snr:.2e}; {per_batch:.1f} s a batch",
           flush=True)

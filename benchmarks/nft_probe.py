@@ -12,7 +12,11 @@ probe figures of the two scripts compare directly. What differs is the whole upd
 - Optimality: r = 0.5 + 0.5 clip(A / a_max, -1, 1) in [0, 1], A the group z-score of the mean atom
   score (Flow-GRPO's advantage); with --credit map, A is CAST's pixel map of the atom advantages
   (pooled atom spread, gating, the group's other heatmaps, mass-normalised) pooled to the token
-  grid and upsampled, so r is a map: one optimality per position.
+  grid and upsampled, so r is a map: one optimality per position. --center subtracts each
+  group's mean map at every position: the map's credits lean positive (parent gating zeroes the
+  negative child credit of a missing object; +0.23 of a 0.71 SD on the one-prompt set, +0.09 of
+  0.43 on the pool), and for this loss a positive mean of 2 r - 1 is a pull towards the
+  policy's own samples (self-distillation), a direction that every batch shares.
 - Loss: `cast_core.nft.nft_loss` (the maths and its sources are in that module): per sample, t ~ U(t_min, 1 - t_min), eps ~ N(0, I), x_t = (1 - t) x0 + t eps, target
   v = eps - x0 (diffusers' convention), v_old the sampling policy's velocity at (x_t, t) (no grad),
   v_theta the current one; the implicit positive and negative policies
@@ -89,6 +93,9 @@ def iteration_optimality(args, results, graphs, b: int, g: int, grid: tuple[int,
                                 args.spatial_mix).map  # [N, H, W]
         pooled = F.adaptive_avg_pool2d(m[:, None], grid)  # token grid
         adv = F.interpolate(pooled, size=(hh, ww), mode="nearest")[:, 0]
+        if args.center:  # zero-sum over each group at every position
+            grouped = adv.reshape(b, g, hh, ww)
+            adv = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(b * g, hh, ww)
     return optimality(adv, args.a_max), float(rewards.mean())
 
 
@@ -113,6 +120,8 @@ def main() -> None:
     ap.add_argument("--train-cfg", type=float, default=CFG)
     ap.add_argument("--spatial-mix", type=float, default=1.0)
     ap.add_argument("--global-weight", type=float, default=0.0)
+    ap.add_argument("--center", action="store_true",
+                    help="map credit: subtract each group's mean map at every position")
     ap.add_argument("--no-adaptive", action="store_true", help="no per-sample loss weight")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=16)

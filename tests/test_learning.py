@@ -17,6 +17,12 @@ the margin is not robust; CAST (pooled atoms, half the credit through the heatma
 0.3-3.6 nats an iteration and reached +0.052, the gap issue 17 keeps open (expected failure).
 With the group's other samples' heatmaps and the full map (the recipe since issue 17's fix of
 CAST's fall on the pool) it went 0.668 -> 0.648: still an expected failure.
+
+Both outcomes are single draws of a process whose spread over seeds is about +-0.3
+(reports/learning-probes, section 2: the same prompt in memory, window [0, 3), G 16, lr 3e-3,
+192 samples, seeds 0-2: Flow-GRPO +0.214 / -0.123 / -0.268, CAST's map +0.131 / +0.238 / +0.120),
+because a 128-sample policy gradient has no measurable direction there (section 1). So this test
+pins the update's direction on one seed (the sign-flip check above); it does not rank the methods.
 """
 
 import json
