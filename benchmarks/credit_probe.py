@@ -99,6 +99,38 @@ def credit(args, results, graphs, b: int, g: int) -> tuple[torch.Tensor, float]:
     return m, float(rewards.mean())
 
 
+def load_pool(path: str) -> tuple[list[dict], list]:
+    """(GenEval-format records, their scene graphs) of a prompt file."""
+    pool = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return pool, [graph_from_geneval(r) for r in pool]
+
+
+def make_probe(backbone, pool, graphs, args, name: str, per_iteration: int):
+    """probe(k): score the pool x args.probe_images with fixed noise (seeds PROBE_SEED + i) after
+    iteration k (-1: before training), print a line and append a row to args.out if set."""
+    prompts = [r["prompt"] for r in pool for _ in range(args.probe_images)]
+    probe_graphs = [gr for gr in graphs for _ in range(args.probe_images)]
+    seeds = [PROBE_SEED + i for i in range(len(prompts))]
+    start = time.time()
+
+    def probe(k: int) -> None:
+        with torch.no_grad():
+            x = sample_ode(backbone, prompts, seeds, STEPS, CFG)
+            res = verify(backbone.decode(x), probe_graphs)
+        mean = sum(float(r.scores.mean()) for r in res) / len(res)
+        strict = sum(float((r.scores > 0.5).all()) for r in res) / len(res)
+        samples, wall = (k + 1) * per_iteration, time.time() - start
+        print(f"{name} it {k} samples {samples} probe {mean:.4f} strict {strict:.3f} "
+              f"wall {wall:.0f}", flush=True)
+        if args.out:
+            row = {"name": name, "iteration": k, "samples": samples, "probe": mean,
+                   "strict": strict, "wall_s": wall, "args": vars(args)}
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    return probe
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--credit", choices=("scalar", "const", "map"), default="map")
@@ -138,11 +170,7 @@ def main() -> None:
     backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
     torch.manual_seed(args.seed)
     params = add_lora(backbone, 8, 8.0)
-    pool = [json.loads(line) for line in Path(args.pool).read_text().splitlines() if line.strip()]
-    graphs = [graph_from_geneval(r) for r in pool]
-    probe_prompts = [r["prompt"] for r in pool for _ in range(args.probe_images)]
-    probe_graphs = [gr for gr in graphs for _ in range(args.probe_images)]
-    probe_seeds = [PROBE_SEED + i for i in range(len(probe_prompts))]
+    pool, graphs = load_pool(args.pool)
     w0, w1 = (int(v) for v in args.window.split(","))
     spec = RolloutSpec(STEPS, CFG, args.noise, args.sde_kind, SdeWindow(w0, w1))
     kind = "scalar" if args.credit == "scalar" else "spatial"
@@ -151,22 +179,8 @@ def main() -> None:
                           inner_epochs=args.inner_epochs, micro_batch=64,
                           steps_per_epoch=args.steps_per_epoch)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0)
-    start = time.time()
+    probe = make_probe(backbone, pool, graphs, args, name, b * g)
     taken = [0]  # optimizer steps so far (for the warm-up)
-
-    def probe(k: int) -> None:
-        with torch.no_grad():
-            x = sample_ode(backbone, probe_prompts, probe_seeds, STEPS, CFG)
-            res = verify(backbone.decode(x), probe_graphs)
-        mean = sum(float(r.scores.mean()) for r in res) / len(res)
-        strict = sum(float((r.scores > 0.5).all()) for r in res) / len(res)
-        print(f"{name} it {k} samples {(k + 1) * b * g} probe {mean:.4f} strict {strict:.3f} "
-              f"wall {time.time() - start:.0f}", flush=True)
-        if args.out:
-            row = {"name": name, "iteration": k, "samples": (k + 1) * b * g, "probe": mean,
-                   "strict": strict, "wall_s": time.time() - start, "args": vars(args)}
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
 
     probe(-1)
     for k in range(args.iterations):

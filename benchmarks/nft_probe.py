@@ -37,9 +37,7 @@ The probe is the same as credit_probe's (pool x 4 images, fixed noise 10_000_000
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,18 +45,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from credit_probe import BASE, CFG, POOL, PROBE_SEED, STEPS, parents
+from credit_probe import BASE, CFG, POOL, STEPS, credit, load_pool, make_probe
 
-from cast_core.advantage import (
-    atom_advantages,
-    atom_reward,
-    gate_by_parents,
-    group_heatmaps,
-    pixel_advantage_map,
-    scalar_advantages,
-)
 from cast_core.backbones.shapes import ShapesBackbone
-from cast_core.csg_parser import graph_from_geneval
 from cast_core.nft import adaptive_weight, nft_loss, optimality
 from cast_core.policy import add_lora, linear_warmup_lr
 from cast_core.sampling import encode_conditioning, sample_ode
@@ -66,37 +55,17 @@ from cast_core.shapes.verifier import verify
 
 
 def iteration_optimality(args, results, graphs, b: int, g: int, grid: tuple[int, int]):
-    """(r: [N] or [N, H, W] in [0, 1], mean score) of one iteration's samples."""
-    a_max = max(len(gr.atoms()) for gr in graphs)
-    hh, ww = results[0].heatmaps.shape[-2:]
-    scores = torch.zeros(b, g, a_max, dtype=torch.float64)
-    heat = torch.ones(b, g, a_max, hh, ww)
-    mask = torch.zeros(b, a_max, dtype=torch.bool)
-    par = torch.zeros(b, a_max, a_max, dtype=torch.bool)
-    for bi in range(b):
-        n = len(graphs[bi * g].atoms())
-        mask[bi, :n] = True
-        par[bi, :n, :n] = parents(graphs[bi * g])
-        for gi in range(g):
-            r = results[bi * g + gi]
-            scores[bi, gi, :n] = torch.from_numpy(r.scores.astype("float64"))
-            heat[bi, gi, :n] = torch.from_numpy(r.heatmaps[:n])
-    rewards = atom_reward(scores, mask, "mean")  # [B, G]
-    if args.credit == "scalar":
-        adv = scalar_advantages(rewards, "group").advantages.reshape(-1).float()  # [N]
-    else:
-        atom = gate_by_parents(atom_advantages(scores, mask, 1e-4, "pooled").advantages, scores,
-                               par)
-        h = group_heatmaps(heat, "group_others").reshape(b * g, a_max, hh, ww)
-        m = pixel_advantage_map(atom.reshape(b * g, a_max).float(), h,
-                                mask.repeat_interleave(g, 0), args.global_weight, 5.0, "mass",
-                                args.spatial_mix).map  # [N, H, W]
-        pooled = F.adaptive_avg_pool2d(m[:, None], grid)  # token grid
+    """(r: [N] or [N, H, W] in [0, 1], mean score) of one iteration's samples: the credit of
+    `credit_probe.credit` (a map pooled to the token grid, optionally centred per group)."""
+    adv, score = credit(args, results, graphs, b, g)  # [N] or [N, H, W]
+    if adv.dim() == 3:
+        hh, ww = adv.shape[-2:]
+        pooled = F.adaptive_avg_pool2d(adv[:, None], grid)  # token grid
         adv = F.interpolate(pooled, size=(hh, ww), mode="nearest")[:, 0]
         if args.center:  # zero-sum over each group at every position
             grouped = adv.reshape(b, g, hh, ww)
             adv = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(b * g, hh, ww)
-    return optimality(adv, args.a_max), float(rewards.mean())
+    return optimality(adv, args.a_max), score
 
 
 def velocity(backbone, x_t, t, cond, uncond, scale: float):
@@ -119,7 +88,6 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--train-cfg", type=float, default=CFG)
     ap.add_argument("--spatial-mix", type=float, default=1.0)
-    ap.add_argument("--global-weight", type=float, default=0.0)
     ap.add_argument("--center", action="store_true",
                     help="map credit: subtract each group's mean map at every position")
     ap.add_argument("--no-adaptive", action="store_true", help="no per-sample loss weight")
@@ -132,6 +100,7 @@ def main() -> None:
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.heatmaps, args.own_types, args.adv_std = "others", None, "group"  # credit()'s settings
     torch.set_num_threads(args.threads)
     b, g = args.prompts, args.group
     name = args.name or f"nft-{args.credit}-lr{args.lr}-b{args.beta}-s{args.seed}"
@@ -140,27 +109,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     params = add_lora(backbone, 8, 8.0)
     grid = backbone.token_grid
-    pool = [json.loads(line) for line in Path(args.pool).read_text().splitlines() if line.strip()]
-    graphs = [graph_from_geneval(r) for r in pool]
-    probe_prompts = [r["prompt"] for r in pool for _ in range(args.probe_images)]
-    probe_graphs = [gr for gr in graphs for _ in range(args.probe_images)]
-    probe_seeds = [PROBE_SEED + i for i in range(len(probe_prompts))]
+    pool, graphs = load_pool(args.pool)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0)
-    start, taken = time.time(), 0
-
-    def probe(k: int) -> None:
-        with torch.no_grad():
-            x = sample_ode(backbone, probe_prompts, probe_seeds, STEPS, CFG)
-            res = verify(backbone.decode(x), probe_graphs)
-        mean = sum(float(r.scores.mean()) for r in res) / len(res)
-        strict = sum(float((r.scores > 0.5).all()) for r in res) / len(res)
-        print(f"{name} it {k} samples {(k + 1) * b * g} probe {mean:.4f} strict {strict:.3f} "
-              f"wall {time.time() - start:.0f}", flush=True)
-        if args.out:
-            row = {"name": name, "iteration": k, "samples": (k + 1) * b * g, "probe": mean,
-                   "strict": strict, "wall_s": time.time() - start, "args": vars(args)}
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    probe, taken = make_probe(backbone, pool, graphs, args, name, b * g), 0
 
     probe(-1)
     for k in range(args.iterations):
