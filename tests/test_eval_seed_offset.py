@@ -36,6 +36,7 @@ def test_seed_offset_enters_the_eval_spec_only_when_set():
     recipe = ci_recipe(PROMPTS / "pool.jsonl")
     dump = recipe.model_dump(mode="json")
     assert dump["eval"].pop("seed_offset") == 0
+    assert dump["builder"].pop("allow_metadata_only") is False  # also hashed only when set
     before = hashlib.sha256(json.dumps({k: dump[k] for k in ("eval", "scorer", "builder")},
                                        sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert recipe.section_hash("eval", "scorer", "builder") == before
