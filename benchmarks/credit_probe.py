@@ -95,7 +95,8 @@ def credit(args, results, graphs, b: int, g: int) -> tuple[torch.Tensor, float]:
         return c[:, None, None].expand(-1, hh, ww).contiguous(), float(rewards.mean())
     source = "own" if args.heatmaps == "own" else "group_others"
     h = group_heatmaps(heat, source).reshape(b * g, a_max, hh, ww)
-    m = pixel_advantage_map(flat_a, h, flat_m, 0.0, 5.0, "mass", args.spatial_mix).map
+    norm = getattr(args, "heatmap_norm", "mass")
+    m = pixel_advantage_map(flat_a, h, flat_m, 0.0, 5.0, norm, args.spatial_mix).map
     return m, float(rewards.mean())
 
 
@@ -138,6 +139,7 @@ def main() -> None:
     ap.add_argument("--own-types", default=None,
                     help="comma list of atom types that keep their heatmap (others uniform)")
     ap.add_argument("--spatial-mix", type=float, default=1.0)
+    ap.add_argument("--heatmap-norm", choices=("mass", "peak"), default="mass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--lr", type=float, default=1e-3)

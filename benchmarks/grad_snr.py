@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=16)
     ap.add_argument("--spatial-mix", type=float, default=1.0)
+    ap.add_argument("--heatmap-norm", choices=("mass", "peak"), default="mass")
     ap.add_argument("--pool", default=str(POOL), help="GenEval-format prompt file (first --prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -153,6 +154,8 @@ def main() -> None:
     snr = mean / (n * (1 - mean)) if mean < 1 else float("inf")
     name = (f"{args.credit} window {args.window} noise {args.noise}"
             f"{' antithetic' if args.antithetic else ''}")
+    if args.credit == "map" and (args.heatmap_norm, args.spatial_mix) != ("mass", 1.0):
+        name += f" ({args.heatmap_norm} norm, mix {args.spatial_mix})"
     if args.objective == "nft":
         name = f"nft {args.credit}{' centred' if args.center else ''} (ODE samples)"
     name = f"{Path(args.pool).stem} x{args.prompts}: {name}"
