@@ -43,7 +43,7 @@ from credit_probe import BASE, CFG, NOISE, POOL, STEPS, credit
 
 from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.csg_parser import graph_from_geneval
-from cast_core.nft import adaptive_weight, nft_loss, optimality
+from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
 from cast_core.policy import PolicyConfig, add_lora, policy_update
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.sampling import encode_conditioning, sample_ode
@@ -74,7 +74,8 @@ def batch_gradient(backbone, params, pool, graphs, args, spec, config, m: int) -
 def nft_gradient(backbone, params, pool, graphs, args, m: int) -> torch.Tensor:
     """The flattened LoRA gradient of batch m's forward-process loss (`cast_core.nft`) at the
     sampling policy: ODE samples with a fresh starting noise each, r from the credit
-    (`optimality`, a_max 2), one (t, eps) per sample with t ~ U(0.02, 0.98), beta 1, the
+    (`optimality`, a_max 2; a map stays at pixel resolution here, where nft_probe pools it to
+    the token grid), one (t, eps) per sample with t ~ U(0.02, 0.98), beta 1, the
     adaptive weight, the velocity guided at the sampler's scale."""
     b, g = args.prompts, args.group
     prompts = [pool[i]["prompt"] for i in range(b) for _ in range(g)]
@@ -85,22 +86,21 @@ def nft_gradient(backbone, params, pool, graphs, args, m: int) -> torch.Tensor:
     results = verify(backbone.decode(x0), batch_graphs)
     adv, _ = credit(args, results, batch_graphs, b, g)  # [N] or [N, H, W]
     if args.center and adv.dim() == 3:  # zero-sum over each group at every position
-        grouped = adv.reshape(b, g, *adv.shape[1:])
-        adv = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(adv.shape)
+        adv = group_centred(adv, g)
     r = optimality(adv, 2.0)
     gen = torch.Generator().manual_seed(args.seed * 7919 + m)
     t = 0.02 + 0.96 * torch.rand(len(prompts), generator=gen)
     eps = torch.randn(x0.shape, generator=gen)
-    x_t = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
+    noised = forward_noised(x0, t, eps)
     cond, uncond = encode_conditioning(backbone, prompts, CFG)
     for p in params:
         p.grad = None
     for lo in range(0, len(prompts), 64):
         sl = slice(lo, lo + 64)
         with torch.no_grad():
-            v_old = backbone.velocity(x_t[sl], t[sl], cond[sl], CFG, uncond[sl])
-        v_theta = backbone.velocity(x_t[sl], t[sl], cond[sl], CFG, uncond[sl])
-        target = eps[sl] - x0[sl]
+            v_old = backbone.velocity(noised.x_t[sl], t[sl], cond[sl], CFG, uncond[sl])
+        v_theta = backbone.velocity(noised.x_t[sl], t[sl], cond[sl], CFG, uncond[sl])
+        target = noised.target[sl]
         out = nft_loss(v_theta, v_old, target, r[sl], 1.0, adaptive_weight(v_old, target))
         (out.loss * x0[sl].shape[0] / len(prompts)).backward()
     return torch.cat([p.grad.reshape(-1) for p in params]).double()

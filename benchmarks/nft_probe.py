@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from credit_probe import BASE, CFG, POOL, STEPS, credit, load_pool, make_probe
 
 from cast_core.backbones.shapes import ShapesBackbone
-from cast_core.nft import adaptive_weight, nft_loss, optimality
+from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
 from cast_core.policy import add_lora, linear_warmup_lr
 from cast_core.sampling import encode_conditioning, sample_ode
 from cast_core.shapes.verifier import verify
@@ -63,8 +63,7 @@ def iteration_optimality(args, results, graphs, b: int, g: int, grid: tuple[int,
         pooled = F.adaptive_avg_pool2d(adv[:, None], grid)  # token grid
         adv = F.interpolate(pooled, size=(hh, ww), mode="nearest")[:, 0]
         if args.center:  # zero-sum over each group at every position
-            grouped = adv.reshape(b, g, hh, ww)
-            adv = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(b * g, hh, ww)
+            adv = group_centred(adv, g)
     return optimality(adv, args.a_max), score
 
 
@@ -131,13 +130,14 @@ def main() -> None:
         for _ in range(args.inner_epochs):
             t = args.t_min + (1 - 2 * args.t_min) * torch.rand(n, generator=gen)
             eps = torch.randn(x0.shape, generator=gen)
-            x_t = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
+            noised = forward_noised(x0, t, eps)
+            x_t = noised.x_t
             with torch.no_grad():
                 v_old = torch.cat([
                     velocity(backbone, x_t[lo:lo + 64], t[lo:lo + 64], cond_all[lo:lo + 64],
                              None if uncond_all is None else uncond_all[lo:lo + 64],
                              args.train_cfg) for lo in range(0, n, 64)])
-            draws.append((t, x_t, eps - x0, v_old))
+            draws.append((t, x_t, noised.target, v_old))
         losses, pos_share = [], float((r > 0.5).float().mean())
         for epoch, (t, x_t, target, v_old) in enumerate(draws):
             order = torch.randperm(n, generator=gen)

@@ -23,6 +23,11 @@ v_old the old policy's velocity at (x_t, t) (no gradient) and w an optional per-
   / (C h w) per element: gradient descent moves the velocity towards the sample's target where
   r > 1/2 and away where r < 1/2; r = 1/2 contributes nothing.
 
+``forward_noised`` builds (x_t, v) from clean samples; ``group_centred`` makes a credit zero-sum
+over each group (at every position for a map): a positive mean of 2 r - 1 in a group is a pull
+towards the policy's own samples (self-distillation), the same direction in every batch, so a
+credit that leans positive (CAST's gated atom map does) must be centred before ``optimality``.
+
 ``optimality`` maps an advantage A (a group z-score, or CAST's map of atom advantages) to
 r = 1/2 + 1/2 clip(A / a_max, -1, 1), the paper's normalised-reward form with a_max the |A| at
 which a sample counts as fully positive or negative.
@@ -43,6 +48,32 @@ class NftLoss:
     loss: Tensor
     per_sample: Tensor
     positive_share: Tensor
+
+
+@dataclass(frozen=True)
+class Noised:
+    """x_t [N, C, h, w] = (1 - t) x0 + t eps and its flow-matching target v = eps - x0."""
+
+    x_t: Tensor
+    target: Tensor
+
+
+def forward_noised(x0: Tensor, t: Tensor, eps: Tensor) -> Noised:
+    """The forward process at per-sample times t [N] for x0, eps [N, C, h, w]."""
+    if x0.shape != eps.shape or t.shape != x0.shape[:1]:
+        raise ValueError(f"need x0 and eps of one shape [N, ...] and t [N]; got "
+                         f"{tuple(x0.shape)}, {tuple(eps.shape)}, {tuple(t.shape)}")
+    tt = t.reshape(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+    return Noised((1 - tt) * x0 + tt * eps, eps - x0)
+
+
+def group_centred(values: Tensor, group_size: int) -> Tensor:
+    """values [B G, ...] minus each group's mean over its G consecutive samples (elementwise)."""
+    n = values.shape[0]
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"{n} samples do not split into groups of {group_size}")
+    grouped = values.reshape(n // group_size, group_size, *values.shape[1:])
+    return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(values.shape)
 
 
 def optimality(advantages: Tensor, a_max: float) -> Tensor:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cast_core.nft import adaptive_weight, nft_loss, optimality
+from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
 
 
 def _velocities(n=3, c=2, h=4, w=5, seed=0):
@@ -81,3 +81,26 @@ def test_bad_inputs_are_named():
         nft_loss(v_theta, v_old, target, torch.full((3,), 1.5, dtype=torch.float64), 1.0)
     with pytest.raises(ValueError, match="beta"):
         nft_loss(v_theta, v_old, target, torch.ones(3, dtype=torch.float64), 0.0)
+
+
+def test_forward_noised_interpolates_and_its_target_is_the_time_derivative():
+    x0, eps, _ = _velocities(seed=6)
+    t = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+    out = forward_noised(x0, t, eps)
+    torch.testing.assert_close(out.x_t[0], x0[0])
+    torch.testing.assert_close(out.x_t[1], 0.5 * (x0[1] + eps[1]))
+    torch.testing.assert_close(out.x_t[2], eps[2])
+    later = forward_noised(x0, t + 1e-3, eps).x_t
+    torch.testing.assert_close((later - out.x_t) / 1e-3, out.target)
+    with pytest.raises(ValueError, match="t \\[N\\]"):
+        forward_noised(x0, t[:2], eps)
+
+
+def test_group_centred_makes_each_group_zero_sum_at_every_position():
+    maps = torch.rand(6, 4, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    out = group_centred(maps, 3)
+    torch.testing.assert_close(out.reshape(2, 3, 4, 5).sum(dim=1), torch.zeros(2, 4, 5, dtype=torch.float64))
+    torch.testing.assert_close(maps - out, maps.reshape(2, 3, 4, 5).mean(1, keepdim=True)
+                               .expand(2, 3, 4, 5).reshape(6, 4, 5))
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_centred(maps, 4)
