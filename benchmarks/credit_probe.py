@@ -37,6 +37,7 @@ from cast_core.advantage import (
     gate_by_parents,
     group_heatmaps,
     pixel_advantage_map,
+    pool_to_grid,
     scalar_advantages,
 )
 from cast_core.backbones.shapes import ShapesBackbone
@@ -100,6 +101,14 @@ def credit(args, results, graphs, b: int, g: int) -> tuple[torch.Tensor, float]:
     return m, float(rewards.mean())
 
 
+def on_grid(adv: torch.Tensor, ro) -> torch.Tensor:
+    """A map [N, H, W] pooled onto the rollout's log-prob grid (the tile grid with block noise);
+    scalar advantages [N] as they are."""
+    if adv.dim() == 1:
+        return adv
+    return pool_to_grid(adv, *ro.log_probs.shape[-2:])
+
+
 def load_pool(path: str) -> tuple[list[dict], list]:
     """(GenEval-format records, their scene graphs) of a prompt file."""
     pool = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -151,6 +160,8 @@ def main() -> None:
                     help="KL to the base model, PolicyConfig.kl_beta (all-dims mean convention)")
     ap.add_argument("--warmup", type=int, default=0, help="linear lr warm-up, optimizer steps")
     ap.add_argument("--noise", type=float, default=NOISE, help="SDE noise level")
+    ap.add_argument("--noise-block", type=int, default=1,
+                    help="SDE noise constant on b x b tiles (cast_core.sde; 1 = isotropic)")
     ap.add_argument("--sde-kind", choices=("flow_sde", "cps"), default="flow_sde")
     ap.add_argument("--window", default="0,3", help="SDE window start,end (steps)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts an iteration (B)")
@@ -174,7 +185,8 @@ def main() -> None:
     params = add_lora(backbone, 8, 8.0)
     pool, graphs = load_pool(args.pool)
     w0, w1 = (int(v) for v in args.window.split(","))
-    spec = RolloutSpec(STEPS, CFG, args.noise, args.sde_kind, SdeWindow(w0, w1))
+    spec = RolloutSpec(STEPS, CFG, args.noise, args.sde_kind, SdeWindow(w0, w1),
+                       noise_block=args.noise_block)
     kind = "scalar" if args.credit == "scalar" else "spatial"
     clip = args.clip_range or (1e-3 if kind == "scalar" else 0.032)
     config = PolicyConfig(kind, clip, kl_beta=args.kl_beta,
@@ -194,6 +206,7 @@ def main() -> None:
         ro = rollout(backbone, prompts, seeds, spec, noise_seeds=shared)
         results = verify(backbone.decode(ro.x0), batch_graphs)
         adv, train_score = credit(args, results, batch_graphs, b, g)
+        adv = on_grid(adv, ro)
         steps = policy_update(
             backbone, opt, prompts, ro, spec, adv, config, shuffle_seed=k,
             lr_for_step=lambda j: linear_warmup_lr(args.lr, args.warmup, taken[0] + j))

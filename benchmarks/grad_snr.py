@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from credit_probe import BASE, CFG, NOISE, POOL, STEPS, credit
+from credit_probe import BASE, CFG, NOISE, POOL, STEPS, credit, on_grid
 
 from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.csg_parser import graph_from_geneval
@@ -49,6 +49,9 @@ from cast_core.rollout import RolloutSpec, rollout
 from cast_core.sampling import encode_conditioning, sample_ode
 from cast_core.shapes.verifier import verify
 from cast_core.window import SdeWindow
+
+SCORES: list[float] = []  # each SDE batch's mean atom score, for the printed line
+SPREADS: list[float] = []  # each SDE batch's mean within-group std of the mean atom score
 
 
 def batch_gradient(backbone, params, pool, graphs, args, spec, config, m: int) -> torch.Tensor:
@@ -62,10 +65,15 @@ def batch_gradient(backbone, params, pool, graphs, args, spec, config, m: int) -
     if args.antithetic:
         seeds = [base + i - (i % 2) for i in range(b * g)]  # pairs share the SDE seed
         signs = [1.0 if i % 2 == 0 else -1.0 for i in range(b * g)]
-    shared = [base + 50_000 + i // g for i in range(b * g)]  # one starting noise per group
+    start = args.seed * 10**7 if args.same_starts else base  # --same-starts: one set for all
+    shared = [start + 50_000 + i // g for i in range(b * g)]  # one starting noise per group
     ro = rollout(backbone, prompts, seeds, spec, noise_seeds=shared, noise_signs=signs)
     results = verify(backbone.decode(ro.x0), batch_graphs)
-    adv, _ = credit(args, results, batch_graphs, b, g)
+    adv, score = credit(args, results, batch_graphs, b, g)
+    adv = on_grid(adv, ro)
+    SCORES.append(score)
+    rewards = torch.tensor([float(r.scores.mean()) for r in results]).view(b, g)
+    SPREADS.append(float(rewards.std(dim=1).mean()))
     opt = torch.optim.SGD(params, lr=0.0)
     policy_update(backbone, opt, prompts, ro, spec, adv, config)
     return torch.cat([p.grad.reshape(-1) for p in params]).double()
@@ -113,6 +121,13 @@ def main() -> None:
                     help="sde: the clipped SDE objective; nft: the forward-process loss")
     ap.add_argument("--window", default="0,3")
     ap.add_argument("--noise", type=float, default=NOISE)
+    ap.add_argument("--noise-block", type=int, default=1,
+                    help="SDE noise constant on b x b tiles (cast_core.sde; 1 = isotropic)")
+    ap.add_argument("--adv-std", choices=("group", "global_std"), default="group",
+                    help="scalar credit: z-score by each group's std or by the batch's")
+    ap.add_argument("--same-starts", action="store_true",
+                    help="every batch draws the same starting noises (only the SDE noise "
+                         "differs): the estimator's consistency given the states")
     ap.add_argument("--antithetic", action="store_true")
     ap.add_argument("--center", action="store_true",
                     help="nft with map credit: subtract each group's mean map at every position")
@@ -128,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.antithetic and args.group % 2:
         raise SystemExit("--antithetic needs an even --group (mirrored pairs)")
-    args.heatmaps, args.own_types, args.adv_std = "others", None, "group"
+    args.heatmaps, args.own_types = "others", None
     torch.set_num_threads(args.threads)
     backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
     torch.manual_seed(args.seed)
@@ -136,7 +151,8 @@ def main() -> None:
     pool = [json.loads(line) for line in Path(args.pool).read_text().splitlines() if line.strip()]
     graphs = [graph_from_geneval(r) for r in pool]
     w0, w1 = (int(v) for v in args.window.split(","))
-    spec = RolloutSpec(STEPS, CFG, args.noise, "flow_sde", SdeWindow(w0, w1))
+    spec = RolloutSpec(STEPS, CFG, args.noise, "flow_sde", SdeWindow(w0, w1),
+                       noise_block=args.noise_block)
     kind = "scalar" if args.credit == "scalar" else "spatial"
     config = PolicyConfig(kind, 1e-3 if kind == "scalar" else 0.032, micro_batch=64,
                           max_grad_norm=1e12)
@@ -153,19 +169,26 @@ def main() -> None:
     mean, se = float(cos.mean()), float(cos.std() / len(cos) ** 0.5)
     snr = mean / (n * (1 - mean)) if mean < 1 else float("inf")
     name = (f"{args.credit} window {args.window} noise {args.noise}"
-            f"{' antithetic' if args.antithetic else ''}")
+            f"{' antithetic' if args.antithetic else ''}"
+            f"{f' block {args.noise_block}' if args.noise_block > 1 else ''}"
+            f"{' global std' if args.adv_std == 'global_std' else ''}"
+            f"{' same starts' if args.same_starts else ''}")
     if args.credit == "map" and (args.heatmap_norm, args.spatial_mix) != ("mass", 1.0):
         name += f" ({args.heatmap_norm} norm, mix {args.spatial_mix})"
     if args.objective == "nft":
         name = f"nft {args.credit}{' centred' if args.center else ''} (ODE samples)"
     name = f"{Path(args.pool).stem} x{args.prompts}: {name}"
     print(f"{name}: mean pairwise cosine {mean:.4f} +- {se:.4f} (SE, {len(cos)} pairs of "
-          f"{args.batches} batches of {n}); per-sample SNR {snr:.2e}; {per_batch:.1f} s a batch",
+          f"{args.batches} batches of {n}); per-sample SNR {snr:.2e}; {per_batch:.1f} s a batch"
+          + (f"; training samples' mean atom score {sum(SCORES) / len(SCORES):.3f}, "
+             f"within-group std {sum(SPREADS) / len(SPREADS):.3f}" if SCORES else ""),
           flush=True)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"name": name, "cosine": mean, "se": se, "snr": snr,
                                 "pairs": len(cos), "batch": n, "seconds_per_batch": per_batch,
+                                "sample_score": sum(SCORES) / len(SCORES) if SCORES else None,
+                                "group_std": sum(SPREADS) / len(SPREADS) if SPREADS else None,
                                 "args": vars(args)}) + "\n")
 
 

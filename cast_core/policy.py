@@ -43,7 +43,8 @@ KLs, per step, each a mean over its samples and window steps:
   a KL per sample (for "scalar" it is about policy_kl_nats / D^2).
 - with kl_beta > 0, the exact KL to the reference (adapters off) from the closed form for two
   Gaussians sharing the step's std (``loss.gaussian_step_kl``): ``ref_kl_nats`` summed over the D
-  dims, and ``ref_kl_mean_dim`` = ref_kl_nats / D, the all-dims mean of (mu_p - mu_r)^2 /
+  dims (with block noise, of the tile means: D = C h w / b^2 action dims), and
+  ``ref_kl_mean_dim`` = ref_kl_nats / D, the all-dims mean of (mu_p - mu_r)^2 /
   (2 std^2). The loss adds kl_beta * ref_kl_mean_dim (Flow-GRPO's convention), so a beta chosen
   against the summed KL is beta_summed * D here. It needs std > 0, so a window containing a
   zero-std step (noise level 0, or the CPS step to t = 0) with kl_beta > 0 raises ValueError. The
@@ -77,6 +78,7 @@ from cast_core.loss import (
 )
 from cast_core.rollout import Rollout, RolloutSpec, replay_steps
 from cast_core.sampling import encode_conditioning
+from cast_core.sde import block_mean
 
 AdvantageKind = Literal["spatial", "scalar"]
 
@@ -253,7 +255,9 @@ def _micro_batch_backward(
         if config.kl_beta > 0:
             with torch.no_grad(), reference_mode(backbone):
                 ref = replay_steps(backbone, cond, uncond, step, spec)
-            kl = gaussian_step_kl(replay.means[:, 0], ref.means[:, 0], replay.stds[:, 0])
+            b = spec.noise_block  # the KL of the tile means (the action) at b > 1
+            kl = gaussian_step_kl(block_mean(replay.means[:, 0], b),
+                                  block_mean(ref.means[:, 0], b), replay.stds[:, 0])
             total = total + config.kl_beta * kl.mean()  # kl [n, h, w]: mean over channels
             ref_kls.append(channels * kl.detach().double().sum(dim=(-2, -1)))  # [n]
         (total * (share / num_k)).backward()

@@ -33,7 +33,15 @@ import torch
 from torch import Tensor
 
 from cast_core.sampling import encode_conditioning, step_velocity
-from cast_core.sde import GaussianStep, SdeKind, gaussian_log_prob, ode_step, sde_mean_std, sde_step
+from cast_core.sde import (
+    GaussianStep,
+    SdeKind,
+    gaussian_log_prob,
+    noise_shape,
+    ode_step,
+    sde_mean_std,
+    sde_step,
+)
 from cast_core.window import SdeWindow
 
 _MASK64 = (1 << 64) - 1
@@ -42,13 +50,16 @@ Index = slice | Sequence[int] | Tensor
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    """How to sample: num_steps Euler/SDE steps, CFG scale, SDE noise level a, SDE kind, window."""
+    """How to sample: num_steps Euler/SDE steps, CFG scale, SDE noise level a, SDE kind, window;
+    noise_block b: the window noise is constant on b x b tiles of the latent grid (``sde``'s block
+    noise; 1 = isotropic), and log-probs live on the tile grid."""
 
     num_steps: int
     guidance_scale: float
     noise_level: float
     sde_kind: SdeKind
     window: SdeWindow
+    noise_block: int = 1
 
     def __post_init__(self) -> None:
         if (
@@ -77,6 +88,12 @@ class RolloutSpec:
                 f"RolloutSpec.window must be an SdeWindow; got {type(self.window).__name__}"
             )
         self.window.require_within(self.num_steps)
+        if (isinstance(self.noise_block, bool) or not isinstance(self.noise_block, int)
+                or self.noise_block < 1):
+            raise ValueError(
+                f"RolloutSpec.noise_block must be an int >= 1 (1 = isotropic noise); got "
+                f"{self.noise_block!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -84,8 +101,9 @@ class Rollout:
     """N samples with their K window steps (on the latents' device).
 
     x0: [N, C, h, w] final samples. latents: [N, K, C, h, w] each window step's input x_t.
-    next_latents: [N, K, C, h, w] the sampled x_next. log_probs: [N, K, h, w] fp32, per-position
-    log-density of x_next. t, t_next: [K] fp32 sigmas of each window step.
+    next_latents: [N, K, C, h, w] the sampled x_next. log_probs: [N, K, h', w'] fp32, per-position
+    log-density of x_next on the noise grid (h' = h / b, w' = w / b for the spec's noise_block b).
+    t, t_next: [K] fp32 sigmas of each window step.
     """
 
     x0: Tensor
@@ -113,7 +131,8 @@ class Rollout:
 class Replay:
     """Window steps recomputed with the current weights.
 
-    log_probs: [n, K', h, w] fp32. means: [n, K', C, h, w]. stds: [n, K', 1, 1, 1].
+    log_probs: [n, K', h', w'] fp32 (the noise grid). means: [n, K', C, h, w]. stds:
+    [n, K', 1, 1, 1], the per-pixel std of the step's noise.
     """
 
     log_probs: Tensor
@@ -134,7 +153,8 @@ def step_seed(seed: int, k: int) -> int:
 
 
 def sde_noise(seeds: Sequence[int], k: int, shape: Sequence[int]) -> Tensor:
-    """Standard-normal SDE noise of step k, one draw of `shape` (C, h, w) per seed: [N, C, h, w]."""
+    """Standard-normal SDE noise of step k, one draw of `shape` (C, h, w, or the tile grid's
+    C, h / b, w / b with block noise) per seed: [N, *shape]."""
     return torch.stack(
         [
             torch.randn(tuple(shape), generator=torch.Generator().manual_seed(step_seed(s, k)))
@@ -176,9 +196,11 @@ def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: Rollout
         if k not in spec.window.steps:
             x = ode_step(x, v, t, t_next)
             continue
-        z = sde_noise(seeds, k, x.shape[1:]).to(device=x.device, dtype=x.dtype)
+        z = sde_noise(seeds, k, noise_shape(x.shape, spec.noise_block)[1:])
+        z = z.to(device=x.device, dtype=x.dtype)
         z = z * torch.tensor(signs, dtype=x.dtype, device=x.device)[:, None, None, None]
-        step = sde_step(x, v, t, t_next, spec.noise_level, spec.sde_kind, noise=z)
+        step = sde_step(x, v, t, t_next, spec.noise_level, spec.sde_kind, noise=z,
+                        noise_block=spec.noise_block)
         latents.append(x)
         next_latents.append(step.x_next)
         log_probs.append(step.log_prob)
@@ -188,7 +210,7 @@ def _rollout_chunk(backbone, prompts: list[str], seeds: list[int], spec: Rollout
         x0=x,
         latents=torch.stack(latents, dim=1),  # [n, K, C, h, w]
         next_latents=torch.stack(next_latents, dim=1),  # [n, K, C, h, w]
-        log_probs=torch.stack(log_probs, dim=1),  # [n, K, h, w]
+        log_probs=torch.stack(log_probs, dim=1),  # [n, K, h', w']
         t=sigmas[window].float(),
         t_next=sigmas[[k + 1 for k in window]].float(),
     )
@@ -251,14 +273,14 @@ def replay_steps(backbone, cond, uncond, steps: Rollout, spec: RolloutSpec) -> R
         t, t_next = float(steps.t[j]), float(steps.t_next[j])
         x_t = steps.latents[:, j]  # [n, C, h, w]
         v = _velocity(backbone, x_t, t, cond, uncond, spec)
-        gauss: GaussianStep = sde_mean_std(x_t, v, t, t_next, spec.noise_level, spec.sde_kind)
-        log_probs.append(
-            gaussian_log_prob(steps.next_latents[:, j].detach(), gauss.mean, gauss.std)
-        )
+        gauss: GaussianStep = sde_mean_std(x_t, v, t, t_next, spec.noise_level, spec.sde_kind,
+                                           noise_block=spec.noise_block)
+        log_probs.append(gaussian_log_prob(steps.next_latents[:, j].detach(), gauss.mean,
+                                           gauss.std, noise_block=spec.noise_block))
         means.append(gauss.mean)
         stds.append(gauss.std)
     return Replay(
-        log_probs=torch.stack(log_probs, dim=1),  # [n, K', h, w]
+        log_probs=torch.stack(log_probs, dim=1),  # [n, K', h', w']
         means=torch.stack(means, dim=1),  # [n, K', C, h, w]
         stds=torch.stack(stds, dim=1),  # [n, K', 1, 1, 1]
     )

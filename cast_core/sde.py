@@ -36,6 +36,23 @@ number.
 Precision: means are computed in promote(x dtype, float32) and returned in x's dtype; std stays in
 that promoted dtype with shape [N, 1, ..., 1]; log-probs are float32.
 
+Block (low-rank) noise, ``noise_block`` b >= 1 (ours): the step's noise is confined to the
+subspace of latents that are constant on b x b tiles of the position grid, P = spread o
+block_mean (an orthogonal projection). Of the transition above it keeps exactly the part that
+lives in that subspace: mean_b = ode + P(mean - ode), with ode the Euler step, and noise std P z,
+z ~ N(0, I); in pixels P z = spread(z_c) / b with z_c ~ N(0, I) on the tile grid, so the
+returned std is std / b and x_next = mean_b + (std / b) spread(z_c). Outside the subspace the step
+is the deterministic Euler step. This is the same SDE with diffusion matrix P instead of I: its
+drift correction is P times the original (g^2 / 2 P grad log p, by the Fokker-Planck equation),
+so the marginals are still the ODE's, and the law of the tile means is exactly that of the
+isotropic SDE's. The action is the tile means: block_mean(x_next) ~ N(block_mean(mean_b),
+(std / b)^2) per tile and channel, so log-probs live on the tile grid [N, h / b, w / b]. Why:
+the score-function estimator's per-sample noise grows with the action's dimension (its
+signal-to-noise ratio is at best 1 / (D + 1) for D Gaussian dims); tiles cut D by b^2 and keep
+the low-frequency moves that change a picture's composition, dropping the high-frequency noise
+that the remaining steps mostly denoise away. The gradient through the Euler part is ignored,
+as it is for the ODE steps outside the window. b = 1 is the isotropic step, bitwise.
+
 Departures: the log-prob is kept per position (mean over channels at each position, shape
 [N, *pos]) so the loss can weight positions; its mean over positions equals Flow-GRPO's mean over
 all dims. As in Flow-GRPO, the sampled x_next is detached inside the log-prob (it is the action).
@@ -45,6 +62,7 @@ Times are validated (0 <= t_next < t <= 1), which costs one device sync per call
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,7 +80,9 @@ class GaussianStep:
     """Gaussian transition N(mean, std^2) of one denoising step.
 
     mean: [N, C, *pos], in x_t's dtype.
-    std: [N, 1, ..., 1], one value per sample, broadcastable to x_t; float32 or wider.
+    std: [N, 1, ..., 1], one value per sample, broadcastable to x_t; float32 or wider. With block
+    noise (see the module docstring) the std of each pixel's noise, which is also the std of the
+    tile means.
     """
 
     mean: Tensor
@@ -124,6 +144,39 @@ def _check_noise_level(noise_level: float, upper: float | None) -> None:
     if not ok or (upper is not None and noise_level > upper):
         bound = f"[0, {upper}]" if upper is not None else "[0, inf)"
         raise ValueError(f"noise_level must lie in {bound}; got {noise_level!r}")
+
+
+def _check_block(x: Tensor, block: int) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"noise_block must be an int >= 1 (1 = isotropic noise); got {block!r}")
+    if block > 1 and (x.dim() != 4 or x.shape[-2] % block or x.shape[-1] % block):
+        raise ValueError(
+            f"noise_block {block} needs latents [N, C, h, w] with h and w divisible by it; got "
+            f"shape {tuple(x.shape)}; pick a block that divides the latent grid"
+        )
+
+
+def block_mean(x: Tensor, block: int) -> Tensor:
+    """Means over block x block tiles: [N, C, h, w] -> [N, C, h / block, w / block] (x at 1)."""
+    _check_block(x, block)
+    if block == 1:
+        return x
+    return torch.nn.functional.avg_pool2d(x, block)
+
+
+def block_spread(z: Tensor, block: int) -> Tensor:
+    """Each value repeated over its tile: [N, C, h, w] -> [N, C, h block, w block] (z at 1)."""
+    if block == 1:
+        return z
+    return z.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+
+
+def noise_shape(shape: Sequence[int], block: int) -> tuple[int, ...]:
+    """The shape of a step's standard-normal draw: `shape` [N, C, *pos], its tile grid at b > 1."""
+    shape = tuple(int(d) for d in shape)
+    if block == 1:
+        return shape
+    return (*shape[:-2], shape[-2] // block, shape[-1] // block)
 
 
 def _x0_hat(x_t: Tensor, v: Tensor, t: Tensor) -> Tensor:
@@ -201,27 +254,44 @@ def sde_mean_std(
     noise_level: float,
     kind: SdeKind,
     t_max: float = 0.99,
+    noise_block: int = 1,
 ) -> GaussianStep:
-    """Transition of the chosen kind; t_max only affects flow_sde. Shapes as the kinds above."""
+    """Transition of the chosen kind; t_max only affects flow_sde. Shapes as the kinds above.
+
+    noise_block b > 1 confines the noise to b x b tiles (module docstring): the mean keeps the
+    Euler step plus the tile-projected correction, and std is the per-pixel std, std / b.
+    """
+    _check_block(x_t, noise_block)
     if kind == "flow_sde":
-        return flow_sde_mean_std(x_t, v, t, t_next, noise_level, t_max=t_max)
-    if kind == "cps":
-        return cps_mean_std(x_t, v, t, t_next, noise_level)
-    raise ValueError(f"kind must be 'flow_sde' or 'cps'; got {kind!r}")
+        step = flow_sde_mean_std(x_t, v, t, t_next, noise_level, t_max=t_max)
+    elif kind == "cps":
+        step = cps_mean_std(x_t, v, t, t_next, noise_level)
+    else:
+        raise ValueError(f"kind must be 'flow_sde' or 'cps'; got {kind!r}")
+    if noise_block == 1:
+        return step
+    t_, t_next_ = _step_times(x_t, t, t_next)
+    ode = _euler(x_t.float(), v.float(), t_, t_next_)  # [N, C, h, w] fp32
+    correction = block_spread(block_mean(step.mean.float() - ode, noise_block), noise_block)
+    return GaussianStep(mean=(ode + correction).to(x_t.dtype), std=step.std / noise_block)
 
 
-def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, std_floor: float = 1e-6) -> Tensor:
+def gaussian_log_prob(
+    x: Tensor, mean: Tensor, std: Tensor, std_floor: float = 1e-6, noise_block: int = 1
+) -> Tensor:
     """Per-position log density of x under N(mean, max(std, std_floor)^2), float32.
 
     x, mean: [N, C, *pos]; std: broadcastable to x (e.g. [N, 1, ..., 1]).
     Returns [N, *pos]: the elementwise Normal log-pdf averaged over channels (dim 1).
+    With noise_block b > 1 ([N, C, h, w] only) it is the density of the tile means,
+    block_mean(x) ~ N(block_mean(mean), std^2): [N, h / b, w / b].
     """
     _check_latent(x, "x")
     if mean.shape != x.shape:
         raise ValueError(f"mean must have x's shape {tuple(x.shape)}; got {tuple(mean.shape)}")
     if not std_floor > 0:
         raise ValueError(f"std_floor must be positive to keep log-probs finite; got {std_floor!r}")
-    x32, mean32 = x.float(), mean.float()
+    x32, mean32 = block_mean(x.float(), noise_block), block_mean(mean.float(), noise_block)
     std32 = std.float().clamp_min(std_floor)
     log_pdf = -((x32 - mean32) ** 2) / (2 * std32**2) - torch.log(std32) - _LOG_SQRT_2PI
     return log_pdf.mean(dim=1)  # [N, *pos]
@@ -239,21 +309,27 @@ def sde_step(
     noise: Tensor | None = None,
     t_max: float = 0.99,
     std_floor: float = 1e-6,
+    noise_block: int = 1,
 ) -> SdeStep:
     """Sample x_next = mean + std z and its per-position log-prob.
 
-    x_t, v: [N, C, *pos]. z is ``noise`` ([N, C, *pos]) when given, else drawn from ``generator``
-    (at most one of the two). Returns SdeStep with x_next [N, C, *pos], log_prob [N, *pos].
+    x_t, v: [N, C, *pos]. z is ``noise`` when given, else drawn from ``generator`` (at most one
+    of the two), of x_t's shape, or with noise_block b > 1 of the tile grid's [N, C, h / b, w / b]
+    and spread over the tiles. Returns SdeStep with x_next [N, C, *pos], log_prob [N, *pos]
+    ([N, h / b, w / b] with b > 1).
     """
     if generator is not None and noise is not None:
         raise ValueError("pass either generator or noise to sde_step, not both")
-    step = sde_mean_std(x_t, v, t, t_next, noise_level, kind, t_max=t_max)
+    step = sde_mean_std(x_t, v, t, t_next, noise_level, kind, t_max=t_max,
+                        noise_block=noise_block)
+    shape = noise_shape(x_t.shape, noise_block)
     if noise is None:
-        noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
-    elif noise.shape != x_t.shape:
+        noise = torch.randn(shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
+    elif tuple(noise.shape) != shape:
         raise ValueError(
-            f"noise must have x_t's shape {tuple(x_t.shape)}; got {tuple(noise.shape)}"
+            f"noise must have shape {shape} (x_t's, on the tile grid of noise_block "
+            f"{noise_block}); got {tuple(noise.shape)}"
         )
-    x_next = (step.mean + step.std * noise).to(x_t.dtype)
-    log_prob = gaussian_log_prob(x_next.detach(), step.mean, step.std, std_floor)
+    x_next = (step.mean + step.std * block_spread(noise, noise_block)).to(x_t.dtype)
+    log_prob = gaussian_log_prob(x_next.detach(), step.mean, step.std, std_floor, noise_block)
     return SdeStep(x_next=x_next, log_prob=log_prob, mean=step.mean, std=step.std)

@@ -162,9 +162,13 @@ class SamplingSection(_Section):
     """`shared_noise`: the G samples of a prompt start from one initial noise (seeded per prompt
     and iteration) and differ only by their SDE window noise, so a group's advantages measure what
     the window's actions did, not which starting noise a sample drew (a per-state baseline: the
-    policy gradient stays unbiased, its variance falls)."""
+    policy gradient stays unbiased, its variance falls). `noise_block` b: the window noise is
+    constant on b x b tiles of the latent grid (`cast_core.sde`'s block noise: the tile means
+    keep the isotropic SDE's law, the rest of each step is the Euler step); the policy's actions
+    are the C h w / b^2 tile means, log-probs and advantage maps live on the tile grid; 1 is the
+    isotropic SDE of Flow-GRPO."""
 
-    hash_if_set: ClassVar[tuple[str, ...]] = ("shared_noise",)
+    hash_if_set: ClassVar[tuple[str, ...]] = ("shared_noise", "noise_block")
     unpinned: ClassVar[tuple[str, ...]] = ("chunk_size",)
 
     num_steps: int = Field(ge=2)
@@ -173,6 +177,7 @@ class SamplingSection(_Section):
     sde_kind: Literal["flow_sde", "cps"] = "flow_sde"
     chunk_size: int = Field(64, ge=1)
     shared_noise: bool = False
+    noise_block: int = Field(1, ge=1, description="SDE noise constant on b x b latent tiles")
 
 
 class WindowSection(_Section):

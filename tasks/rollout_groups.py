@@ -78,7 +78,8 @@ def rollout_spec(recipe: Recipe, window_row: dict) -> RolloutSpec:
     s = recipe.sampling
     return RolloutSpec(num_steps=s.num_steps, guidance_scale=s.guidance_scale,
                        noise_level=s.noise_level, sde_kind=s.sde_kind,
-                       window=SdeWindow(window_row["window_start"], window_row["window_end"]))
+                       window=SdeWindow(window_row["window_start"], window_row["window_end"]),
+                       noise_block=s.noise_block)
 
 
 def contact_sheet(images: torch.Tensor, columns: int) -> bytes:

@@ -428,3 +428,21 @@ def test_group_others_heatmaps_build_each_map_from_the_other_samples(ref, tmp_pa
                       and r["sample_index"] == s) for s in range(g)]
         torch.testing.assert_close(maps[index], expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(maps, own_maps, atol=1e-4)
+
+
+def test_block_noise_runs_an_iteration_on_the_tile_grid(ref, tmp_path):
+    """sampling.noise_block = 4 (pinned, so a run of its own): the rollout's log-probs and the
+    advantage maps live on the 8 x 8 tile grid, the first step's ratio is 1, nothing is
+    skipped."""
+    store = Store(tmp_path / "store")
+    recipe = ci_recipe(ref[2], **{"sampling.noise_block": 4})
+    run_iteration(store, recipe, 0)
+    sample = _rows(store, "rollouts")[0]
+    with safe_open(str(store.resolve(sample["latents_path"])), framework="pt") as f:
+        assert f.get_slice("log_probs").get_shape()[-2:] == [8, 8]
+        assert f.get_slice("latents").get_shape()[-2:] == [32, 32]
+    blob = store.get_tensors(_rows(store, "advantage_maps")[0]["map_path"])
+    assert blob["maps"].shape[-2:] == (8, 8)
+    steps = sorted(_rows(store, "train_steps"), key=lambda r: r["step"])
+    assert abs(steps[0]["ratio_mean"] - 1.0) <= 1e-3 and not any(s["skipped"] for s in steps)
+    assert recipe.pinned()["sampling"]["noise_block"] == 4
