@@ -1,7 +1,7 @@
 """Benchmark: CAST against Flow-GRPO on the shapes world, trained on a fixed prompt pool, with
 learning curves, paired final evaluations and sample efficiency.
 
-    .venv/bin/python benchmarks/bench_methods.py [--quick] [--suite main|ablations|recast]
+    .venv/bin/python benchmarks/bench_methods.py [--quick] [--suite main|ablations|recast|nft]
         [--arms A,B] [--store DIR] [--report-dir DIR] [--seeds N] [--iterations N] [--threads N]
         [--lr LR] [--per-iteration B] [--group-size G] [--probe-images N] [--pool-images N]
         [--hard-images N] [--eval-images N] [--held-out-prompts N]
@@ -15,8 +15,9 @@ cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
 cast-no-map-fixed-window; per-atom vs scalar credit, which in cast-no-map-fixed-window - flowgrpo
 comes with the per-position ratio instead of the all-dims one: no arm changes the ratio alone; and
 the `FIXES`); suite `recast` adds the ReCAST pairs (recast-equal against cast, recast-skewed
-against static-skewed at budgets `SKEWED`). `--arms` picks any arms of any suite, flowgrpo among
-them.
+against static-skewed at budgets `SKEWED`); suite `nft` adds the forward-process arms nft
+(scalar reward) and nft-cast (CAST's map as a per-position optimality), which sample with the ODE
+(`NFT`). `--arms` picks any arms of any suite, flowgrpo among them.
 
 Protocol. Every arm trains on data/prompts/pool.jsonl (32 hard-tag train prompts, disjoint from
 every evaluation prompt) with `prompts.selection = "cycle"`: iteration k trains on pool positions
@@ -127,7 +128,12 @@ RUN_STAGES = ("build_csgs", "calibrate_window")
 SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling")
 SAME_TRAIN = ("lr", "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch",
               "micro_batch", "warmup_steps", "max_grad_norm", "weight_decay")
-SUITES = ("main", "ablations", "recast")
+SUITES = ("main", "ablations", "recast", "nft")
+# The SDE's exploration settings, equal across the SDE arms; the forward-process arms (NFT) sample
+# with the ODE from a fresh starting noise per sample instead.
+SDE_SAMPLING = ("noise_level", "sde_kind", "shared_noise", "noise_block")
+NFT = {"train.objective": "nft", "sampling.noise_level": 0.0, "sampling.shared_noise": False,
+       "window.mode": "fixed"}
 # Issue 7's second budget: the two weakest atom types of the base (count, relation) count double.
 SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
 # Window ablation: the steps where the atom types become decidable on the base model (ReCAST's
@@ -279,8 +285,14 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
             "cast + static type weights, budgets " + _budgets_text(SKEWED)),
         Arm("recast-skewed", CAST_RECIPE, {"recast.weighting": "recast", "recast.budgets": SKEWED},
             "cast + ReCAST step weights, budgets " + _budgets_text(SKEWED)))
-    by_suite = {"main": main, "ablations": (*main, *ablations), "recast": (*main, *recast)}
-    return by_suite[suite] if suite is not None else (*main, *ablations, *recast)
+    nft = (
+        Arm("nft", FLOWGRPO_RECIPE, NFT,
+            "forward-process (NFT) loss, scalar reward, ODE samples (cast_core.nft_update)"),
+        Arm("nft-cast", CAST_RECIPE, {**NFT, "window.start": w.start},
+            "forward-process (NFT) loss with CAST's atom-pixel map as optimality, ODE samples"))
+    by_suite = {"main": main, "ablations": (*main, *ablations), "recast": (*main, *recast),
+                "nft": (*main, *nft)}
+    return by_suite[suite] if suite is not None else (*main, *ablations, *recast, *nft)
 
 
 def _budgets_text(budgets: dict[str, float]) -> str:
@@ -339,13 +351,21 @@ def check_equal_budget(recipes: list) -> None:
     settings other than the clip range."""
     def budget(r) -> dict:
         dump = r.model_dump(mode="json")
+        for field in SDE_SAMPLING:  # the forward-process arms sample with the ODE
+            dump["sampling"].pop(field)
         return {"seed": r.run.seed, "window_size": r.window.size,
                 **{s: dump[s] for s in SAME_SECTIONS},
                 **{f"train.{f}": dump["train"].get(f) for f in SAME_TRAIN}}
 
+    def exploration(r) -> dict:
+        return {f"sampling.{f}": getattr(r.sampling, f) for f in SDE_SAMPLING}
+
     first = budget(recipes[0])
+    sde = [r for r in recipes if r.train.objective == "sde"]
     for r in recipes[1:]:
         diff = [k for k, v in budget(r).items() if v != first[k]]
+        if r in sde and sde[0] is not r:
+            diff += [k for k, v in exploration(r).items() if v != exploration(sde[0])[k]]
         if diff:
             raise ValueError(f"arms {recipes[0].run.name} and {r.run.name} differ in {diff}: "
                              f"the comparison would not be at equal budget")

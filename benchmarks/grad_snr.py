@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from credit_probe import BASE, CFG, NOISE, POOL, STEPS, credit, on_grid
 
+from cast_core.advantage import scalar_advantages
 from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.csg_parser import graph_from_geneval
 from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
@@ -68,11 +69,16 @@ def batch_gradient(backbone, params, pool, graphs, args, spec, config, m: int) -
     start = args.seed * 10**7 if args.same_starts else base  # --same-starts: one set for all
     shared = [start + 50_000 + i // g for i in range(b * g)]  # one starting noise per group
     ro = rollout(backbone, prompts, seeds, spec, noise_seeds=shared, noise_signs=signs)
-    results = verify(backbone.decode(ro.x0), batch_graphs)
-    adv, score = credit(args, results, batch_graphs, b, g)
+    images = backbone.decode(ro.x0)  # [N, 3, H, W] in [0, 1]
+    if args.reward == "red":  # the positive control: a dense reward, linear in the image
+        rewards = (images[:, 0] - images[:, 1:].mean(dim=1)).mean(dim=(-2, -1)).view(b, g)
+        adv = scalar_advantages(rewards.double()).advantages.reshape(-1).float()
+    else:
+        results = verify(images, batch_graphs)
+        adv = credit(args, results, batch_graphs, b, g)[0]
+        rewards = torch.tensor([float(r.scores.mean()) for r in results]).view(b, g)
     adv = on_grid(adv, ro)
-    SCORES.append(score)
-    rewards = torch.tensor([float(r.scores.mean()) for r in results]).view(b, g)
+    SCORES.append(float(rewards.mean()))
     SPREADS.append(float(rewards.std(dim=1).mean()))
     opt = torch.optim.SGD(params, lr=0.0)
     policy_update(backbone, opt, prompts, ro, spec, adv, config)
@@ -128,6 +134,9 @@ def main() -> None:
     ap.add_argument("--same-starts", action="store_true",
                     help="every batch draws the same starting noises (only the SDE noise "
                          "differs): the estimator's consistency given the states")
+    ap.add_argument("--reward", choices=("atoms", "red"), default="atoms",
+                    help="atoms: the verifier's mean atom score; red: mean red minus the other "
+                         "channels (a dense reward, the positive control; scalar credit only)")
     ap.add_argument("--antithetic", action="store_true")
     ap.add_argument("--center", action="store_true",
                     help="nft with map credit: subtract each group's mean map at every position")
@@ -153,6 +162,8 @@ def main() -> None:
     w0, w1 = (int(v) for v in args.window.split(","))
     spec = RolloutSpec(STEPS, CFG, args.noise, "flow_sde", SdeWindow(w0, w1),
                        noise_block=args.noise_block)
+    if args.reward == "red" and args.credit != "scalar":
+        raise SystemExit("--reward red has no atoms: use it with --credit scalar")
     kind = "scalar" if args.credit == "scalar" else "spatial"
     config = PolicyConfig(kind, 1e-3 if kind == "scalar" else 0.032, micro_batch=64,
                           max_grad_norm=1e12)
@@ -172,7 +183,8 @@ def main() -> None:
             f"{' antithetic' if args.antithetic else ''}"
             f"{f' block {args.noise_block}' if args.noise_block > 1 else ''}"
             f"{' global std' if args.adv_std == 'global_std' else ''}"
-            f"{' same starts' if args.same_starts else ''}")
+            f"{' same starts' if args.same_starts else ''}"
+            f"{' reward red' if args.reward == 'red' else ''}")
     if args.credit == "map" and (args.heatmap_norm, args.spatial_mix) != ("mass", 1.0):
         name += f" ({args.heatmap_norm} norm, mix {args.spatial_mix})"
     if args.objective == "nft":
@@ -180,7 +192,7 @@ def main() -> None:
     name = f"{Path(args.pool).stem} x{args.prompts}: {name}"
     print(f"{name}: mean pairwise cosine {mean:.4f} +- {se:.4f} (SE, {len(cos)} pairs of "
           f"{args.batches} batches of {n}); per-sample SNR {snr:.2e}; {per_batch:.1f} s a batch"
-          + (f"; training samples' mean atom score {sum(SCORES) / len(SCORES):.3f}, "
+          + (f"; training samples' mean reward {sum(SCORES) / len(SCORES):.3f}, "
              f"within-group std {sum(SPREADS) / len(SPREADS):.3f}" if SCORES else ""),
           flush=True)
     if args.out:

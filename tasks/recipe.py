@@ -173,7 +173,7 @@ class SamplingSection(_Section):
 
     num_steps: int = Field(ge=2)
     guidance_scale: float = Field(ge=1.0)
-    noise_level: float = Field(gt=0.0)
+    noise_level: float = Field(ge=0.0, description="0: the ODE sampler (train.objective nft)")
     sde_kind: Literal["flow_sde", "cps"] = "flow_sde"
     chunk_size: int = Field(64, ge=1)
     shared_noise: bool = False
@@ -238,9 +238,28 @@ class TrainSection(_Section):
     model (Flow-GRPO's convention: the summed KL per sample and step divided by D = C h w).
     `steps_per_epoch` and `warmup_steps` are hashed always, not `hash_if_set`: what a micro-batch
     means changed with them (it used to be one optimizer step), so an older cached training must
-    not be reused."""
+    not be reused.
+
+    `objective`: "sde" (the clipped policy objectives on the SDE window's log-probs,
+    `cast_core.policy`) or "nft" (the forward-process loss on the rollouts' clean samples,
+    `cast_core.nft_update`; rollouts may then use the ODE sampler, `sampling.noise_level = 0`, and
+    `clip_range` and `kl_beta` are not used). The `nft_*` fields, with their sources:
+    `nft_beta` the implicit policies' step (DiffusionNFT's loss form; 1 is our default, at which
+    an all-positive batch is plain flow matching); `nft_t_min`/`nft_t_max` the uniform range of
+    the forward-noise t (ours: keeps away from the endpoints); `nft_a_max` the |advantage| at which
+    the optimality r = 1/2 + 1/2 clip(A / a_max, -1, 1) reaches 0 or 1 (DiffusionNFT's normalised
+    reward form; 2 group SDs is ours); `nft_adaptive_weight` each sample's loss over the old
+    policy's own error at its t (DiffusionNFT's adaptive weighting, in our form
+    `nft.adaptive_weight`); `nft_centre` group-centres the credit (ours: measured necessary for
+    CAST's map, whose credits lean positive); `nft_guidance` "sampler" trains the velocity at the
+    sampler's CFG scale (ours), "none" the conditional one alone (DiffusionNFT's CFG-free
+    training). The old policy is the one that sampled the iteration (a hard update each
+    iteration)."""
 
     unpinned: ClassVar[tuple[str, ...]] = ("micro_batch",)
+    hash_if_set: ClassVar[tuple[str, ...]] = (
+        "objective", "nft_beta", "nft_t_min", "nft_t_max", "nft_a_max", "nft_adaptive_weight",
+        "nft_centre", "nft_guidance")
 
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
@@ -253,6 +272,21 @@ class TrainSection(_Section):
     warmup_steps: int = Field(0, ge=0, description="linear lr warm-up, in optimizer steps")
     max_grad_norm: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
+    objective: Literal["sde", "nft"] = "sde"
+    nft_beta: float = Field(1.0, gt=0.0)
+    nft_t_min: float = Field(0.02, gt=0.0, lt=1.0)
+    nft_t_max: float = Field(0.98, gt=0.0, lt=1.0)
+    nft_a_max: float = Field(2.0, gt=0.0)
+    nft_adaptive_weight: bool = True
+    nft_centre: bool = True
+    nft_guidance: Literal["sampler", "none"] = "sampler"
+
+    @model_validator(mode="after")
+    def _t_range(self) -> TrainSection:
+        if not self.nft_t_min < self.nft_t_max:
+            raise ValueError(f"train.nft_t_min ({self.nft_t_min}) must be below train.nft_t_max "
+                             f"({self.nft_t_max})")
+        return self
 
 
 class RecastSection(_Section):
@@ -345,6 +379,24 @@ class Recipe(_Section):
             raise ValueError(f"train.steps_per_epoch ({self.train.steps_per_epoch}) exceeds the "
                              f"{n} samples of an iteration (prompts.per_iteration x group_size); "
                              f"each optimizer step needs at least one sample: set it <= {n}")
+        if self.sampling.noise_level == 0 and self.train.objective != "nft":
+            raise ValueError("sampling.noise_level = 0 samples with the ODE, which has no "
+                             "log-probs for the SDE objective: set a noise level > 0 (e.g. 0.7) "
+                             "or train.objective = 'nft'")
+        if self.sampling.noise_level == 0 and self.sampling.shared_noise:
+            raise ValueError("sampling.noise_level = 0 with sampling.shared_noise = true gives a "
+                             "group G identical images (the ODE is deterministic): set "
+                             "shared_noise = false")
+        if self.sampling.noise_level == 0 and self.window.mode == "calibrated":
+            raise ValueError("sampling.noise_level = 0 has no SDE window to calibrate: set "
+                             "window.mode = 'fixed'")
+        if self.train.objective == "nft" and self.recast.weighting != "none":
+            raise ValueError("recast.weighting with train.objective = 'nft' is not implemented "
+                             "(per-step weights over the forward-noise t): set "
+                             "recast.weighting = 'none' or train.objective = 'sde'")
+        if self.train.objective == "nft" and self.sampling.noise_block != 1:
+            raise ValueError("train.objective = 'nft' credits latent positions, which block "
+                             "noise's tile-grid maps do not give: set sampling.noise_block = 1")
         if self.recast.weighting != "none" and self.advantage.kind != "spatial":
             raise ValueError(f"recast.weighting = {self.recast.weighting!r} weights the atom types' "
                              f"shares of CAST's map; it needs advantage.kind = 'spatial' (got "
@@ -358,6 +410,16 @@ class Recipe(_Section):
                              f"in GenEval's output layout (<folder>/<NNNNN>/metadata.jsonl and "
                              f"samples/*.png), or use weighting 'static'")
         return self
+
+    def _algorithm(self) -> str:
+        kind, reward = self.advantage.kind, self.advantage.reward
+        if self.train.objective == "nft":
+            return {"spatial": "CAST's atom-pixel credit on the forward-process (NFT) loss",
+                    "atom": "CAST's atom credit without maps on the forward-process (NFT) loss"
+                    }.get(kind, f"DiffusionNFT (scalar {reward} reward)")
+        return {"spatial": "CAST (spatial atom advantages)",
+                "atom": "CAST without maps (atom advantages, constant map)"}.get(
+            kind, f"Flow-GRPO (scalar {reward} reward)")
 
     def derived(self) -> dict[str, Any]:
         """Quantities the pipeline derives from the recipe (printed at the start of a flow)."""
@@ -373,9 +435,7 @@ class Recipe(_Section):
             "micro_batches_per_optimizer_step": -(-largest // self.train.micro_batch),
             "lr_warmup": (f"linear over the run's first {self.train.warmup_steps} optimizer steps"
                           if self.train.warmup_steps else "none"),
-            "algorithm": {"spatial": "CAST (spatial atom advantages)",
-                          "atom": "CAST without maps (atom advantages, constant map)"}.get(
-                self.advantage.kind, f"Flow-GRPO (scalar {self.advantage.reward} reward)"),
+            "algorithm": self._algorithm(),
             "window": (f"calibrated: {self.window.size} steps ending at the formation step"
                        if self.window.mode == "calibrated" else
                        f"fixed: steps [{self.window.start}, "

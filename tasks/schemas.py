@@ -41,6 +41,11 @@ them):
   `ratio_k3` `approx_kl` and `ref_kl_mean_dim` `kl`, and a row was one micro-batch: the store
   reads such files with nulls in the renamed and new columns; the DuckDB views (union_by_name)
   show the old columns as well, null for newer files.
+- `train_steps` version 5 adds `objective` ("sde" or "nft"; null in older files, which are all
+  "sde"), and for "nft" steps `positive_share` (share of samples, or positions with a map, whose
+  optimality r > 1/2) and `nft_loss_by_t_json` ({"t_bins": [[lo, hi], ...], "loss": [mean
+  per-sample loss of each bin or null]}); an "nft" step leaves the ratio, clip and KL columns
+  null (it has no likelihoods) and `adv_mass` is the mean |advantage| of its samples.
 - `checkpoints` is the one row per iteration, so it carries the iteration's diagnostics:
   `param_change_norm` = ||theta_after - theta_before||_2 of the LoRA parameters over the
   iteration's training; `update_kl_nats` (version 3; null in older files) = KL(rollout policy ||
@@ -162,7 +167,7 @@ _SPECS = (
            ("param_change_norm", F64), ("update_kl_nats", F64, _NULL),
            ("rollout_hf_energy", F64), ("constant_reward_alarm", BOOL),
            ("alarm_reason", STR, _NULL)),
-    _table("train_steps", 4,
+    _table("train_steps", 5,
            "One optimizer step (accumulated over micro-batches): samples used, loss and "
            "diagnostics (null when skipped; ratio mean and clip fraction also per window step), "
            "KLs in nats, lr, rewards, stage timings, ReCAST step weights.",
@@ -177,7 +182,8 @@ _SPECS = (
            ("reward_relation", F64, _NULL), ("zero_variance_fraction", F64),
            ("stage_seconds_json", STR), ("ratio_mean_per_step", _list(F64), _NULL),
            ("clip_fraction_per_step", _list(F64), _NULL),
-           ("reward_step_weights_json", STR, _NULL)),
+           ("reward_step_weights_json", STR, _NULL), ("objective", STR, _NULL),
+           ("positive_share", F64, _NULL), ("nft_loss_by_t_json", STR, _NULL)),
     _table("evals", 2,
            "Evaluation of one checkpoint on one group of a split (overall, tag, atom type or "
            "atom count), with the group's mean image high-frequency energy.",

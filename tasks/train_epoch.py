@@ -28,6 +28,12 @@ Weights that came out non-finite (e.g. a huge lr: each step is finite until the 
 are never saved: the stage raises `NonFiniteWeights` (a `StageRefused`), which leaves a
 `stage_failures` row with each step's loss, lr and skip reason, writes no blob, table row or
 completion, and fails the flow; the policy stays at the previous checkpoint.
+With `train.objective = "nft"` the update is `cast_core.nft_update.nft_update` instead: the
+forward-process loss on the rollouts' clean latents x0 with the same advantages (the scalar ones,
+or the maps, pooled to the token grid and group-centred there), the same optimizer, warm-up,
+inner epochs, steps and micro-batches; its `train_steps` rows carry `objective` "nft", the
+optimality's positive share and the loss per forward-noise t bin, and no ratio, clip or KL
+columns; `update_kl_nats` is null when the rollouts used the ODE (noise level 0).
 The first inner step must see ratio 1 (same weights as the rollout); when it does not, a warning
 with the figures is logged and the row keeps them. A constant-reward alarm (every group of an atom
 type tied, or all scalar rewards equal: no learning signal from that reward) is logged as a
@@ -52,6 +58,7 @@ from cast_core.diagnostics import (
     high_frequency_energy,
     param_change_norm,
 )
+from cast_core.nft_update import NftConfig, NftStep, nft_update
 from cast_core.policy import (
     PolicyConfig,
     UpdateStep,
@@ -152,7 +159,34 @@ def _step_row(u: UpdateStep) -> dict:
             "adv_mass": u.adv_mass, "skipped": u.skipped, "skip_reason": u.skip_reason,
             "lr": u.lr,
             "ratio_mean_per_step": kept(list(u.ratio_mean_per_step)),
-            "clip_fraction_per_step": kept(list(u.clip_fraction_per_step))}
+            "clip_fraction_per_step": kept(list(u.clip_fraction_per_step)),
+            "objective": "sde", "positive_share": None, "nft_loss_by_t_json": None}
+
+
+def _nft_step_row(u: NftStep, config: NftConfig, adv_mass: float) -> dict:
+    """The train_steps columns of one NftStep: no ratio, clip or KL (no likelihoods)."""
+    width = (config.t_max - config.t_min) / config.t_buckets
+    bins = [[round(config.t_min + k * width, 6), round(config.t_min + (k + 1) * width, 6)]
+            for k in range(config.t_buckets)]
+    none = dict.fromkeys(("clip_fraction", "ratio_mean", "ratio_std", "ratio_k3",
+                          "policy_kl_nats", "policy_kl_k1_nats", "ref_kl_nats",
+                          "ref_kl_mean_dim", "ratio_mean_per_step", "clip_fraction_per_step"))
+    return {**none, "inner_epoch": u.epoch, "samples": u.samples, "loss": u.loss,
+            "grad_norm": u.grad_norm, "adv_mass": adv_mass, "skipped": u.skipped,
+            "skip_reason": u.skip_reason, "lr": u.lr, "objective": "nft",
+            "positive_share": u.positive_share,
+            "nft_loss_by_t_json": None if u.skipped else json.dumps(
+                {"t_bins": bins, "loss": list(u.loss_by_t)})}
+
+
+def nft_config(recipe: Recipe) -> NftConfig:
+    """The recipe's `train.nft_*` fields as the update's config."""
+    tr = recipe.train
+    return NftConfig(beta=tr.nft_beta, t_min=tr.nft_t_min, t_max=tr.nft_t_max,
+                     a_max=tr.nft_a_max, adaptive_weight=tr.nft_adaptive_weight,
+                     centre=tr.nft_centre, group_size=recipe.prompts.group_size,
+                     inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
+                     micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
 
 
 def _refuse_non_finite(lora: dict[str, torch.Tensor], optimizer_state: dict[str, torch.Tensor],
@@ -252,21 +286,38 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                               max_grad_norm=tr.max_grad_norm)
         total = tr.steps_per_epoch * tr.inner_epochs
         before = [p.detach().clone() for p in params]
+
+        def lr_for_step(j: int) -> float:
+            return linear_warmup_lr(tr.lr, tr.warmup_steps, steps_before + j)
+
         with tqdm(total=total, desc=f"train {iteration}", unit="step", mininterval=1.0) as bar:
             def show(u) -> None:
-                bar.set_postfix(loss="skipped" if u.skipped else f"{u.loss:.4f}",
-                                clip=f"{u.clip_fraction:.3f}", kl=f"{u.policy_kl_nats:.3g}")
+                if u.skipped:
+                    bar.set_postfix(loss="skipped")
+                elif isinstance(u, NftStep):
+                    bar.set_postfix(loss=f"{u.loss:.4f}", positive=f"{u.positive_share:.2f}")
+                else:
+                    bar.set_postfix(loss=f"{u.loss:.4f}", clip=f"{u.clip_fraction:.3f}",
+                                    kl=f"{u.policy_kl_nats:.3g}")
                 bar.update()
 
-            updates = policy_update(
-                backbone, optimizer, prompts, rollout, spec, adv[index], config,
-                shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration), on_step=show,
-                lr_for_step=lambda j: linear_warmup_lr(tr.lr, tr.warmup_steps, steps_before + j))
+            if tr.objective == "nft":
+                nft = nft_config(recipe)
+                scale = recipe.sampling.guidance_scale if tr.nft_guidance == "sampler" else 1.0
+                updates = nft_update(backbone, optimizer, prompts, rollout.x0, adv[index], nft,
+                                     scale, derive_seed(recipe.run.seed, "nft", iteration),
+                                     lr_for_step=lr_for_step, on_step=show)
+            else:
+                updates = policy_update(
+                    backbone, optimizer, prompts, rollout, spec, adv[index], config,
+                    shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration),
+                    on_step=show, lr_for_step=lr_for_step)
         opt_tensors, groups = optimizer_tensors(optimizer)
         _refuse_non_finite(lora_tensors(backbone), opt_tensors, updates, iteration, tr.lr)
-        moved = update_kl_nats(backbone, prompts, rollout, spec, micro_batch=tr.micro_batch)
+        moved = (update_kl_nats(backbone, prompts, rollout, spec, micro_batch=tr.micro_batch)
+                 if recipe.sampling.noise_level > 0 else None)  # the ODE has no likelihoods
         first = updates[0]
-        if first.first_ratio_ok is False:
+        if getattr(first, "first_ratio_ok", None) is False:
             _logger().warning(
                 "first inner step ratio is not 1: ratio_mean=%.6f ratio_std=%.6f (tolerance "
                 "%.0e); rollout and replay disagree (dropout, precision, CFG or changed weights)",
@@ -276,8 +327,10 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
             _logger().warning("constant-reward alarm at iteration %d: %s", iteration, alarm.reason)
         images = store.get_tensors(rows[0]["image_path"])["images"][index]  # uint8 [N, 3, H, W]
         seconds = _stage_seconds(store, run_id, iteration)
+        mass = float(adv[index].abs().mean())
         step_rows = [{"run_id": run_id, "iteration": iteration, "step": steps_before + j,
-                      **_step_row(u), **stats, "stage_seconds_json": seconds,
+                      **(_nft_step_row(u, nft, mass) if tr.objective == "nft" else _step_row(u)),
+                      **stats, "stage_seconds_json": seconds,
                       "reward_step_weights_json": weights_json}
                      for j, u in enumerate(updates)]
         lora_blob = store.put_tensors(lora_tensors(backbone))

@@ -418,3 +418,20 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
     rs = out["recast"]
     weights = rs.weights["static-skewed"]
     assert weights["count"][0] == pytest.approx(2 * weights["object"][0])
+
+
+def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
+    """The forward-process arms share everything with the SDE arms but the SDE's exploration
+    settings; the SDE arms must still agree on those among themselves."""
+    arms = bm.arms("nft")
+    assert [a.name for a in arms] == ["flowgrpo", "cast", "nft", "nft-cast"]
+    recipes = [bm.recipe_for(a, 0, bm.QUICK, f"t-{a.name}", 1) for a in arms]
+    bm.check_equal_budget(recipes)
+    nft, nft_cast = recipes[2:]
+    assert (nft.train.objective, nft.sampling.noise_level, nft.advantage.kind) == ("nft", 0.0,
+                                                                                  "scalar")
+    assert (nft_cast.advantage.kind, nft_cast.sampling.shared_noise) == ("spatial", False)
+    louder = bm.recipe_for(bm.Arm("loud", bm.CAST_RECIPE, {"sampling.noise_level": 0.9}, ""),
+                           0, bm.QUICK, "t-loud", 1)
+    with pytest.raises(ValueError, match="noise_level"):
+        bm.check_equal_budget([recipes[0], louder])

@@ -3,6 +3,7 @@ directly without Prefect: declared schemas, row counts, advantages, the LoRA upd
 skipping, a second iteration, the Flow-GRPO variant, the catalog, and the NaN guard."""
 
 import dataclasses
+import json
 import math
 import shutil
 from collections import defaultdict
@@ -446,3 +447,39 @@ def test_block_noise_runs_an_iteration_on_the_tile_grid(ref, tmp_path):
     steps = sorted(_rows(store, "train_steps"), key=lambda r: r["step"])
     assert abs(steps[0]["ratio_mean"] - 1.0) <= 1e-3 and not any(s["skipped"] for s in steps)
     assert recipe.pinned()["sampling"]["noise_block"] == 4
+
+
+NFT = {"train.objective": "nft", "sampling.noise_level": 0.0, "window.mode": "fixed"}
+
+
+@pytest.mark.parametrize("kind", ["scalar", "spatial"])
+def test_nft_objective_trains_on_ode_samples(ref, tmp_path, kind):
+    """train.objective = "nft" with the ODE sampler: every stage runs, the train_steps rows carry
+    the NFT diagnostics and no ratio columns, the LoRA moves, a re-run skips every stage."""
+    recipe = ci_recipe(ref[2], **NFT, **{"advantage.kind": kind})
+    store = Store(tmp_path / "store")
+    refs = run_iteration(store, recipe, 0)
+    assert not any(r.skipped for r in refs.values())
+    steps = sorted(_rows(store, "train_steps"), key=lambda r: r["step"])
+    assert len(steps) == recipe.train.inner_epochs * recipe.train.steps_per_epoch
+    for s in steps:
+        assert s["objective"] == "nft" and not s["skipped"] and s["ratio_mean"] is None
+        assert 0.0 <= s["positive_share"] <= 1.0 and math.isfinite(s["loss"])
+        by_t = json.loads(s["nft_loss_by_t_json"])
+        assert len(by_t["t_bins"]) == len(by_t["loss"]) == 4
+    ckpt = _rows(store, "checkpoints")[0]
+    assert ckpt["update_kl_nats"] is None and ckpt["param_change_norm"] > 0
+    assert_declared_schemas(store.root)
+    again = run_iteration(store, recipe, 0)
+    assert all(r.skipped for r in again.values())
+
+
+def test_nft_recipe_refuses_what_it_cannot_do(ref):
+    from tasks.recipe import RecipeError
+
+    with pytest.raises((RecipeError, ValueError), match="noise_level = 0"):
+        ci_recipe(ref[2], **{"sampling.noise_level": 0.0, "window.mode": "fixed"})
+    with pytest.raises((RecipeError, ValueError), match="shared_noise"):
+        ci_recipe(ref[2], **NFT, **{"sampling.shared_noise": True})
+    with pytest.raises((RecipeError, ValueError), match="window.mode = 'fixed'"):
+        ci_recipe(ref[2], **{**NFT, "window.mode": "calibrated"})

@@ -1,0 +1,251 @@
+"""The forward-process (NFT) policy update: optimizer steps of ``nft.nft_loss`` on clean samples.
+
+Variant: DiffusionNFT's update (Zheng et al. 2025, arXiv 2509.16117), written from the paper's
+equations, with CAST's per-position optimality (ours). For N clean samples x0 [N, C, h, w] of the
+policy that sampled them (the old policy), their prompts and advantages A ([N], or a map
+[N, h, w] on the latent grid):
+
+1. Credit. A map is pooled to the backbone's token grid (``token_grid``, when it has one) and
+   spread back to the latent grid, so one optimality covers one token; with ``centre`` it is
+   group-centred (``nft.group_centred``: zero-sum over each group of ``group_size`` consecutive
+   samples at every position; a credit that leans positive is otherwise a pull towards the
+   policy's own samples); r = ``nft.optimality``(A, a_max) in [0, 1].
+2. Draws. For inner epoch e, every sample gets t ~ U(t_min, t_max) and eps ~ N(0, I) from a CPU
+   generator seeded with ``rollout.step_seed(seed, e)`` (one draw for all N, so no draw depends
+   on the micro-batching), x_t = (1 - t) x0 + t eps and the target v = eps - x0
+   (``nft.forward_noised``).
+3. The old velocity v_old(x_t, t) of every draw of every epoch is computed before the first
+   optimizer step, under the weights the call starts with (no gradient): the old policy is the
+   policy that sampled, reset to the trained one at the next iteration (DiffusionNFT also allows
+   a slower, averaged old policy; not implemented).
+4. Steps. Each epoch visits the samples in a seeded random order, split into ``steps_per_epoch``
+   equal mini-batches; each is one optimizer step whose gradient accumulates over micro-batches
+   of at most ``micro_batch`` samples (the gradient of the mini-batch's mean loss), with the
+   per-sample ``nft.adaptive_weight`` when ``adaptive_weight``, the gradient norm clipped to
+   ``max_grad_norm``, and a non-finite loss or gradient norm skipping the step (recorded).
+
+The velocity trained is the one the sampler uses (``guidance_scale``; the unconditional branch
+with the empty prompt when it is not 1), or with guidance_scale 1 the conditional one alone
+(DiffusionNFT's CFG-free training). Diagnostics per step: the loss, the share of positions (or
+samples) with r > 1/2, the mean per-sample loss in ``t_buckets`` equal bins of [t_min, t_max]
+(None where a bin is empty), the gradient norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
+from cast_core.rollout import step_seed
+from cast_core.sampling import encode_conditioning
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"NftConfig.{name} must be a finite number > 0; got {value!r}")
+
+
+def _count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"NftConfig.{name} must be an int >= 1; got {value!r}")
+
+
+@dataclass(frozen=True)
+class NftConfig:
+    """Settings of ``nft_update`` (module docstring). beta: the implicit policies' step;
+    t_min < t_max in (0, 1): the uniform t range; a_max: the |A| at which r is 0 or 1;
+    group_size: G, for ``centre``."""
+
+    beta: float = 1.0
+    t_min: float = 0.02
+    t_max: float = 0.98
+    a_max: float = 2.0
+    adaptive_weight: bool = True
+    centre: bool = True
+    group_size: int = 1
+    inner_epochs: int = 1
+    steps_per_epoch: int = 1
+    micro_batch: int = 8
+    max_grad_norm: float = 1.0
+    t_buckets: int = 4
+
+    def __post_init__(self) -> None:
+        _positive("beta", self.beta)
+        _positive("a_max", self.a_max)
+        _positive("max_grad_norm", self.max_grad_norm)
+        if not 0.0 < self.t_min < self.t_max < 1.0:
+            raise ValueError(f"NftConfig needs 0 < t_min < t_max < 1 (t = 1 is noise); got "
+                             f"t_min={self.t_min!r}, t_max={self.t_max!r}")
+        for name in ("group_size", "inner_epochs", "steps_per_epoch", "micro_batch", "t_buckets"):
+            _count(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class NftStep:
+    """One optimizer step. loss, grad_norm: None when skipped; positive_share: share of r > 1/2
+    over the step's samples (and positions); loss_by_t: mean per-sample loss per t bin (None:
+    empty bin, or skipped); lr: the lr the step ran with."""
+
+    epoch: int
+    samples: int
+    loss: float | None
+    grad_norm: float | None
+    positive_share: float
+    loss_by_t: tuple[float | None, ...]
+    lr: float
+    skipped: bool
+    skip_reason: str | None
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """One epoch's forward-process draws: t [N], x_t, target, v_old [N, C, h, w]."""
+
+    t: Tensor
+    x_t: Tensor
+    target: Tensor
+    v_old: Tensor
+
+
+def nft_optimality(advantages: Tensor, shape: tuple[int, ...], config: NftConfig,
+                   token_grid: tuple[int, int] | None) -> Tensor:
+    """r in [0, 1]: [N] from scalar advantages [N], or [N, h, w] from a map [N, h, w] on the
+    latent grid of `shape` [N, C, h, w] (pooled to `token_grid` and spread back, centred per
+    group with config.centre)."""
+    n, _, h, w = shape
+    if advantages.dim() == 1:
+        if advantages.shape[0] != n:
+            raise ValueError(f"need one advantage per sample ({n}); got {tuple(advantages.shape)}")
+        adv = advantages
+    else:
+        if tuple(advantages.shape) != (n, h, w):
+            raise ValueError(f"an advantage map must be on the latent grid [N, h, w] = "
+                             f"{(n, h, w)}; got {tuple(advantages.shape)} (with block noise the "
+                             "maps live on the tile grid: use sampling.noise_block = 1 with nft)")
+        adv = advantages
+        if token_grid is not None and tuple(token_grid) != (h, w):
+            pooled = F.adaptive_avg_pool2d(adv[:, None], tuple(token_grid))
+            adv = F.interpolate(pooled, size=(h, w), mode="nearest")[:, 0]
+    if config.centre:
+        adv = group_centred(adv, config.group_size)
+    return optimality(adv.float(), config.a_max)
+
+
+def _velocity(backbone, x_t: Tensor, t: Tensor, prompts: list[str], scale: float) -> Tensor:
+    """v(x_t, t) [n, C, h, w] of n samples with per-sample times t [n], guided at `scale`."""
+    cond, uncond = encode_conditioning(backbone, prompts, scale)
+    return backbone.velocity(x_t, t, cond, scale, uncond)
+
+
+def _pick(prompts: list[str], idx: Tensor) -> list[str]:
+    return [prompts[i] for i in idx.tolist()]
+
+
+def _draws(backbone, x0: Tensor, prompts: list[str], config: NftConfig, scale: float,
+           seed: int) -> list[_Draw]:
+    """Every epoch's draws and the old policy's velocity there (no gradient)."""
+    n, device = x0.shape[0], x0.device
+    out = []
+    for epoch in range(config.inner_epochs):
+        gen = torch.Generator().manual_seed(step_seed(seed, epoch))
+        t = config.t_min + (config.t_max - config.t_min) * torch.rand(n, generator=gen)
+        eps = torch.randn(tuple(x0.shape), generator=gen)
+        t, eps = t.to(device), eps.to(device, x0.dtype)
+        noised = forward_noised(x0, t, eps)
+        with torch.no_grad():
+            v_old = torch.cat([
+                _velocity(backbone, noised.x_t[mb], t[mb], _pick(prompts, mb), scale).float()
+                for mb in torch.arange(n, device=device).split(config.micro_batch)])
+        out.append(_Draw(t, noised.x_t, noised.target.float(), v_old))
+    return out
+
+
+def _bucket_means(t: Tensor, losses: Tensor, config: NftConfig) -> tuple[float | None, ...]:
+    """Mean loss per equal bin of [t_min, t_max]: t, losses [m]."""
+    width = (config.t_max - config.t_min) / config.t_buckets
+    bins = ((t - config.t_min) / width).floor().clamp(0, config.t_buckets - 1).long()
+    return tuple(float(losses[bins == k].mean()) if bool((bins == k).any()) else None
+                 for k in range(config.t_buckets))
+
+
+def nft_update(
+    backbone,
+    optimizer: torch.optim.Optimizer,
+    prompts: list[str],
+    x0: Tensor,
+    advantages: Tensor,
+    config: NftConfig,
+    guidance_scale: float,
+    seed: int,
+    lr_for_step: Callable[[int], float] | None = None,
+    on_step: Callable[[NftStep], None] | None = None,
+) -> list[NftStep]:
+    """inner_epochs x steps_per_epoch optimizer steps of the NFT loss (module docstring).
+
+    prompts: N; x0: [N, C, h, w] clean latents of the sampling policy; advantages: [N] or a map
+    [N, h, w] on the latent grid. lr_for_step(j) sets every group's lr before the step that
+    follows j steps taken (skipped ones not counted). Returns one NftStep per optimizer step.
+    """
+    n = x0.shape[0]
+    if len(prompts) != n:
+        raise ValueError(f"need one prompt per sample: got {len(prompts)} for {n} samples")
+    if config.steps_per_epoch > n:
+        raise ValueError(f"NftConfig.steps_per_epoch ({config.steps_per_epoch}) exceeds the {n} "
+                         f"samples; set it <= {n}")
+    if config.centre and n % config.group_size:
+        raise ValueError(f"{n} samples do not split into groups of {config.group_size}; set "
+                         "NftConfig.group_size to the rollout's G")
+    r = nft_optimality(advantages.to(x0.device), tuple(x0.shape), config,
+                       getattr(backbone, "token_grid", None))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    draws = _draws(backbone, x0, prompts, config, guidance_scale, seed)
+    out, taken = [], 0
+    for epoch, draw in enumerate(draws):
+        gen = torch.Generator().manual_seed(step_seed(seed, 10_000 + epoch))
+        order = torch.randperm(n, generator=gen).to(x0.device)
+        for idx in torch.tensor_split(order, config.steps_per_epoch):
+            lr = lr_for_step(taken) if lr_for_step is not None else optimizer.param_groups[0]["lr"]
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            step = _step(backbone, optimizer, params, draw, r, idx, prompts, config,
+                         guidance_scale, epoch, lr)
+            taken += 0 if step.skipped else 1
+            out.append(step)
+            if on_step is not None:
+                on_step(step)
+    return out
+
+
+def _step(backbone, optimizer, params, draw: _Draw, r: Tensor, idx: Tensor, prompts: list[str],
+          config: NftConfig, scale: float, epoch: int, lr: float) -> NftStep:
+    """One optimizer step on the samples `idx`, accumulated over micro-batches."""
+    optimizer.zero_grad(set_to_none=True)
+    total, per_sample = 0.0, []
+    for mb in idx.split(config.micro_batch):
+        v_theta = _velocity(backbone, draw.x_t[mb], draw.t[mb], _pick(prompts, mb),
+                            scale).float()
+        v_old, target = draw.v_old[mb], draw.target[mb]
+        weight = adaptive_weight(v_old, target) if config.adaptive_weight else None
+        result = nft_loss(v_theta, v_old, target, r[mb], config.beta, weight)
+        (result.loss * (len(mb) / len(idx))).backward()
+        total += float(result.loss.detach()) * len(mb) / len(idx)
+        w = torch.ones_like(result.per_sample) if weight is None else weight
+        per_sample.append(w * result.per_sample)
+    share = float((r[idx] > 0.5).float().mean())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
+    bad = None if math.isfinite(total) else "non-finite loss"
+    bad = bad or (None if math.isfinite(grad_norm) else "non-finite gradient norm")
+    if bad is not None:
+        optimizer.zero_grad(set_to_none=True)
+        return NftStep(epoch, len(idx), None, None, share, (None,) * config.t_buckets, lr, True,
+                       bad)
+    optimizer.step()
+    losses = torch.cat(per_sample).detach()
+    by_t = _bucket_means(draw.t[idx].float().cpu(), losses.cpu(), config)
+    return NftStep(epoch, len(idx), total, grad_norm, share, by_t, lr, False, None)
