@@ -268,3 +268,29 @@ def test_encode_images_refuses_other_sizes(folders, shape):
     message = rf"\[N, 3, {SIZE}, {SIZE}\].*got {re.escape(str(shape))}"
     with pytest.raises(ValueError, match=message):
         _backbone(folders / "dev").encode_images(torch.rand(shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_nft_step_changes_only_the_adapter(folders, dtype):
+    """The forward-process update through the same adapter: finite loss (bf16 weights, fp32
+    loss maths), LoRA moved, base weights bitwise unchanged; a map on the token grid."""
+    from cast_core.nft_update import NftConfig, nft_update
+
+    backbone = Flux2Backbone.from_pretrained(
+        folders / "dev", torch_dtype=dtype, height=SIZE, width=SIZE,
+        max_sequence_length=TEXT_LEN, text_encoder_out_layers=LAYERS)
+    params = add_lora(backbone, rank=2, alpha=2.0)
+    _randomise_lora_b(backbone, 0.02)
+    lora = {n: p.detach().clone() for n, p in backbone.named_parameters() if p.requires_grad}
+    base = {n: t.clone() for n, t in backbone.state_dict().items() if "lora_" not in n}
+    x0 = sample_ode(backbone, PROMPTS, SEEDS, num_steps=2, guidance_scale=3.0)
+    config = NftConfig(centre=False, micro_batch=2, inner_epochs=2)
+    steps = nft_update(backbone, torch.optim.AdamW(params, lr=1e-3), PROMPTS, x0,
+                       torch.tensor([[1.0], [-1.0]]).expand(2, 64).reshape(2, 8, 8), config,
+                       3.0, seed=0)
+    assert all(not s.skipped and s.loss is not None and s.loss > 0 for s in steps)
+    named = dict(backbone.named_parameters())
+    assert all(not torch.equal(named[n].detach(), before) for n, before in lora.items())
+    for name, value in backbone.state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(value, base[name]), name

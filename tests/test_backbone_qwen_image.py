@@ -252,3 +252,22 @@ def test_encode_images_refuses_other_sizes(folder, prefix, shape):
     message = rf"\[N, 3, {H}, {W}\].*got {re.escape(str(shape))}"
     with pytest.raises(ValueError, match=message):
         _backbone(folder, prefix).encode_images(torch.rand(shape))
+
+
+def test_an_nft_step_in_bf16_weights_trains_the_adapter_only(folder, prefix):
+    """The forward-process update on Qwen-Image with bf16 weights: finite loss in fp32 maths,
+    the LoRA moves, the base weights stay bitwise."""
+    from cast_core.nft_update import NftConfig, nft_update
+
+    backbone = _backbone(folder, prefix, torch_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    params = add_lora(backbone, rank=4, alpha=4.0)
+    before = {n: p.detach().clone() for n, p in backbone.named_parameters()}
+    x0 = sample_ode(backbone, PROMPTS, SEEDS, num_steps=2, guidance_scale=2.0)
+    steps = nft_update(backbone, torch.optim.AdamW(params, lr=1e-2), PROMPTS, x0,
+                       torch.tensor([1.0, -1.0]), NftConfig(centre=False, micro_batch=2),
+                       2.0, seed=0)
+    assert all(not s.skipped and s.loss is not None and s.loss > 0 for s in steps)
+    named = dict(backbone.named_parameters())
+    moved = [n for n, p in named.items() if not torch.equal(p, before[n])]
+    assert moved and all("lora_" in n for n in moved)
