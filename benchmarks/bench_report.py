@@ -30,6 +30,7 @@ from bench_stats import Interval, Ratio, t_interval
 GOAL_POOL_GAIN, GOAL_HARD_GAIN, GOAL_RUN_MINUTES = 0.10, 0.03, 15.0
 GOAL_HARD_RATIO, GOAL_SAMPLES_RATIO = 3.0, 0.5
 GOAL_FULL_MINUTES, GOAL_QUICK_MINUTES = 90.0, 10.0
+GOAL_NFT_SAMPLES, GOAL_NFT_WALL = 0.2, 1 / 3  # nft-cast against flowgrpo, to flowgrpo's final
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -94,6 +95,40 @@ def _ratio_entry(name: str, r: Ratio | None, goal: str, met, unit: str, about: s
                   f"{about}{'; ' + r.note if r.note else ''}")
 
 
+def _nft_figures(sm: Summary) -> list[dict]:
+    """The forward-process targets, when the nft suite's arms ran: nft-cast's samples and wall
+    time to Flow-GRPO's final probe score, and nft-cast against nft on the hard split."""
+    if "nft-cast" not in sm.arms:
+        return []
+    crossing = sm.crossing.get("nft-cast")
+    out = [_ratio_entry("nft-cast / flowgrpo samples to threshold", crossing,
+                        f"<= {GOAL_NFT_SAMPLES:g}", lambda v: v <= GOAL_NFT_SAMPLES,
+                        "ratio of samples", f"samples for the mean probe curve to reach "
+                        f"flowgrpo's final probe mean score ({fmt(sm.threshold)}); 95% paired "
+                        f"bootstrap over seeds")]
+    cost = sm.time_ratio.get(("nft-cast", "iteration"))
+    name, goal = "nft-cast / flowgrpo wall time to threshold", f"<= {GOAL_NFT_WALL:.3g}"
+    about = (f"samples ratio x the median iteration time ratio ({fmt(cost)}): both arms take "
+             "the same samples an iteration")
+    if crossing is None or crossing.value is None or cost is None:
+        out.append(_entry(name, None, None, None, goal, None, "ratio of minutes",
+                          "no samples ratio: " + about))
+    else:
+        scaled = [None if v is None else v * cost for v in (crossing.low, crossing.high)]
+        value = crossing.value * cost
+        out.append(_entry(name, value, *scaled, goal, value <= GOAL_NFT_WALL,
+                          "ratio of minutes", about))
+    if "nft" in sm.arms:
+        a, b = sm.gain[("nft-cast", "hard", "mean_score")], sm.gain[("nft", "hard", "mean_score")]
+        apart = None if a.low is None or b.high is None else a.low > b.high
+        out.append(_entry("nft-cast - nft hard gain", a.mean - b.mean, None, None,
+                          "> 0 with the intervals apart", apart, "mean atom score",
+                          f"nft-cast {a.mean:+.3f} [{fmt(a.low)}, {fmt(a.high)}], nft "
+                          f"{b.mean:+.3f} [{fmt(b.low)}, {fmt(b.high)}] (gain intervals as in "
+                          f"the gains table)"))
+    return out
+
+
 def figures(sm: Summary, setup: dict) -> list[dict]:
     """One entry per target: {name, value, low, high, goal, met, unit, about}; `met` is None
     when the value cannot be computed (or decided), `about` says why."""
@@ -127,6 +162,7 @@ def figures(sm: Summary, setup: dict) -> list[dict]:
                (f"resumed: {setup['skipped']} stages were already done, so this invocation's "
                 f"{wall:.1f} min is not the benchmark's wall time" if resumed else
                 "this invocation, start to report")),
+        *_nft_figures(sm),
     ]
 
 
