@@ -41,19 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cast_core.checks import require_count, require_positive
 from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
 from cast_core.rollout import step_seed
 from cast_core.sampling import encode_conditioning
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"NftConfig.{name} must be a finite number > 0; got {value!r}")
-
-
-def _count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"NftConfig.{name} must be an int >= 1; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,14 +67,13 @@ class NftConfig:
     t_buckets: int = 4
 
     def __post_init__(self) -> None:
-        _positive("beta", self.beta)
-        _positive("a_max", self.a_max)
-        _positive("max_grad_norm", self.max_grad_norm)
+        for name in ("beta", "a_max", "max_grad_norm"):
+            require_positive("NftConfig", name, getattr(self, name))
         if not 0.0 < self.t_min < self.t_max < 1.0:
             raise ValueError(f"NftConfig needs 0 < t_min < t_max < 1 (t = 1 is noise); got "
                              f"t_min={self.t_min!r}, t_max={self.t_max!r}")
         for name in ("group_size", "inner_epochs", "steps_per_epoch", "micro_batch", "t_buckets"):
-            _count(name, getattr(self, name))
+            require_count("NftConfig", name, getattr(self, name))
 
 
 @dataclass(frozen=True)

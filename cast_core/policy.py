@@ -69,6 +69,7 @@ import torch
 from peft import LoraConfig
 from torch import Tensor
 
+from cast_core.checks import require_count, require_positive
 from cast_core.loss import (
     PolicyLoss,
     gaussian_step_kl,
@@ -116,13 +117,11 @@ def reference_mode(backbone) -> Iterator[None]:
 
 
 def _positive(name: str, value: float, fix: str) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"PolicyConfig.{name} must be a finite number > 0; got {value!r}; {fix}")
+    require_positive("PolicyConfig", name, value, fix)
 
 
 def _count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"PolicyConfig.{name} must be an int >= 1; got {value!r}")
+    require_count("PolicyConfig", name, value)
 
 
 @dataclass(frozen=True)

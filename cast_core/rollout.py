@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cast_core.checks import require_count
 from cast_core.sampling import encode_conditioning, step_velocity
 from cast_core.sde import (
     GaussianStep,
@@ -88,12 +89,7 @@ class RolloutSpec:
                 f"RolloutSpec.window must be an SdeWindow; got {type(self.window).__name__}"
             )
         self.window.require_within(self.num_steps)
-        if (isinstance(self.noise_block, bool) or not isinstance(self.noise_block, int)
-                or self.noise_block < 1):
-            raise ValueError(
-                f"RolloutSpec.noise_block must be an int >= 1 (1 = isotropic noise); got "
-                f"{self.noise_block!r}"
-            )
+        require_count("RolloutSpec", "noise_block", self.noise_block, "1 = isotropic noise")
 
 
 @dataclass(frozen=True)
