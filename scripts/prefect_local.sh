@@ -18,7 +18,8 @@
 # Processes are started with job control (`set -m`): each gets its own process group, which
 # `stop` signals as a whole (SIGTERM, then SIGKILL after $CAST_STOP_TIMEOUT s), together with
 # every descendant found before signalling; `stop` fails if any of them survives. Without job
-# control a background worker ignores the first SIGTERM (see STACK_NOTES).
+# control a worker started in the background by a script ignores the first SIGTERM and keeps
+# taking runs; with `set -m` it stops within about a second.
 set -euo pipefail
 set -m
 cd "$(dirname "$0")/.."
