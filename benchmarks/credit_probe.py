@@ -17,8 +17,8 @@ optimizer steps (AdamW, no warm-up). Credits (`--credit`):
 Every `--every` iterations it prints the probe: the pool x 4 images with fixed noise (seeds
 10_000_000 + i, the same for every arm, seed and checkpoint), mean atom score and strict accuracy;
 after each iteration the rollouts' mean score and the last optimizer step's policy KL (nats per
-sample and window step). The figures of the README's "Why CAST fell" table are these lines at
-1536 samples (12 iterations), seeds 0-2, one torch thread per process.
+sample and window step). The figures of the "Why CAST fell" table (docs/history.md) are these
+lines at 1536 samples (12 iterations), seeds 0-2, one torch thread per process.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     cast sql "SELECT ..." [--root ROOT] [--format table|csv|json]
     cast tables [--root ROOT]        every declared table with its row count
-    cast examples                    the example queries the README shows
+    cast examples                    the example queries docs/running.md shows
     cast refresh [--root ROOT]       (re)build the catalog of views
     cast verify [--root ROOT] [--run RUN] [--repair --recipe FILE [--set FIELD=JSON ...]]
                                      check every recorded output against its hashes
