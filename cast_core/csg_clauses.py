@@ -13,8 +13,9 @@ phrase is part of one colour ("a black and white cat"). The edge rules and the a
 that raise are those of the parser's docstring: a relation takes the list after it as objects;
 "and" + relation keeps the subject; a phrase after the first object that is followed by a relation
 starts a new clause; in a chain ("A on B next to C") the second relation places the noun phrase
-it follows (B), or after "with" the subject (A); a list before a relation, and a new clause after
-two or more objects raise ValueError saying why.
+it follows (B), or after "with" the subject (A); a chain whose later relation is "with" ("a girl
+on a bench with a dog"), a list before a relation, and a new clause after two or more objects
+raise ValueError saying why.
 """
 
 from __future__ import annotations
@@ -159,6 +160,10 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tupl
         if not op.also and relation is not None and k == run[0]:
             # A chain "A rel B rel2 C": rel2 places B (the noun phrase it follows), except after
             # "with", whose object belongs to A ("a girl with a kite next to a tree": the girl).
+            if op.canonical == "with":
+                raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
+                                 "noun phrase it belongs to (the first one or the one right "
+                                 "before it) is ambiguous")
             subject = subject if relation.canonical == "with" else k
         elif not op.also:
             subject = _next_subject(k, op, relation, run)

@@ -164,6 +164,7 @@ NEGATIVE = [
     ("two books and a lamp on a desk", "list of noun phrases comes before the relation 'on'"),
     ("two apples, a pear and a banana on top of a plate", "list of noun phrases comes before"),
     ("a cat next to a dog, a bird and a fish above a tree", "follows a list of objects"),
+    ("a girl on a bench with a dog", "'with' follows the relation 'on' in a chain"),
     ("a cat left of a dog and and above a box", "relation 'above' needs a noun phrase before"),
     ("a cat and left of a dog", "needs a relation before it"),
     ("a teal car", None),
