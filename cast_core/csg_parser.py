@@ -184,7 +184,8 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     try:
         local = clause_edges(spans, ops)
     except ValueError as err:
-        raise _fail(prompt, f"{err}; {_LLM}") from err
+        construct = next(filter(None, (_construct(span) for span in spans)), None)
+        raise _fail(prompt, (f"{construct}; " if construct else "") + f"{err}; {_LLM}") from err
     roles, index = _roles(ops), []
     for i, span in enumerate(spans):
         if span[:1] == ["the"]:

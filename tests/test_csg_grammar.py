@@ -165,6 +165,7 @@ NEGATIVE = [
     ("two apples, a pear and a banana on top of a plate", "list of noun phrases comes before"),
     ("a cat next to a dog, a bird and a fish above a tree", "follows a list of objects"),
     ("a girl on a bench with a dog", "'with' follows the relation 'on' in a chain"),
+    ("a bike against a wall and under a window", "relation 'against' is not one"),
     ("a cat left of a dog and and above a box", "relation 'above' needs a noun phrase before"),
     ("a cat and left of a dog", "needs a relation before it"),
     ("a teal car", None),
