@@ -6,8 +6,9 @@ silently wrong graphs on every set, GenEval-format agreement, and parsing time.
 Sets:
 - held-out: tests/data/compositional_heldout.jsonl (356 prompts written before the first grammar
   round, whose refusals then guided the second) and tests/data/compositional_heldout2.jsonl (330
-  prompts written before the second round and not tuned to afterwards), each with its intended
-  graph;
+  prompts written before the second round, which guided the third) and
+  tests/data/compositional_heldout3.jsonl (340 prompts written before the third round and not
+  tuned to afterwards), each with its intended graph;
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
   JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
@@ -42,7 +43,8 @@ def shape(graph) -> tuple[list, list]:
             [(index[e.subject], e.relation, index[e.object]) for e in graph.edges])
 
 
-HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl")
+HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
+            "compositional_heldout3.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:

@@ -6,18 +6,23 @@ Words are split on single spaces (a comma, ";" or "." ends a word). ";" and "." 
 (a final "." is dropped), and so does a separator before a predication, a span "the ... is|are"
 ("a cat next to a dog, the dog is brown"). Within a statement ", ", " and " and ", and " separate;
 a relation form ("to the left of", "under", "next to", "on", ...) is matched longest first and
-becomes its canonical relation. The edge rules and the ambiguous shapes that raise are those of
-the parser's docstring: a relation takes the list after it as objects; "and" + relation keeps the
-subject; a phrase after the first object that is followed by a relation starts a new clause; a
-chain, a list before a relation, and a new clause after two or more objects raise ValueError
-saying why.
+becomes its canonical relation; a posture verb right before a relation form ("sitting on",
+"parked next to") is read as that relation (one that is also a state word, "parked", is the
+noun phrase's state as well), and "and" between two colour words inside a noun
+phrase is part of one colour ("a black and white cat"). The edge rules and the ambiguous shapes
+that raise are those of the parser's docstring: a relation takes the list after it as objects;
+"and" + relation keeps the subject; a phrase after the first object that is followed by a relation
+starts a new clause; in a chain ("A on B next to C") the second relation places the noun phrase
+it follows (B), or after "with" the subject (A); a chain whose later relation is "with" ("a girl
+on a bench with a dog"), a list before a relation, and a new clause after two or more objects
+raise ValueError saying why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_core.csg_vocab import RELATION_FORMS, RELATION_PHRASES
+from cast_core.csg_vocab import ATTRIBUTE_KIND, POSTURE_VERBS, RELATION_FORMS, RELATION_PHRASES
 
 SEP = "sep"
 STATEMENT_ENDS = (";", ".")
@@ -80,7 +85,22 @@ def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation
     i = 0
     while i < len(tokens):
         form = _relation_at(tokens, i)
-        if tokens[i] in (",", "and"):
+        posture = (tokens[i] in POSTURE_VERBS and spans[-1] and _relation_at(tokens, i + 1)
+                   and _relation_at(tokens, i + 1) != ("with",)
+                   and not (tokens[i] in ATTRIBUTE_KIND and spans[-1][0] == "the"))
+        if posture:
+            verb, form = tokens[i], _relation_at(tokens, i + 1)
+            if verb in ATTRIBUTE_KIND:
+                # a state word as well ("a red truck parked next to a house"): the truck's state
+                spans[-1].insert(1, verb)
+            i += 1 + len(form)
+            phrase = " ".join(form)
+            ops.append(Relation(RELATION_PHRASES[phrase], f"{verb} {phrase}"))
+            spans.append([])
+        elif tokens[i] == "and" and _joins_colors(spans[-1], tokens[i + 1:i + 2]):
+            spans[-1].append("and")
+            i += 1
+        elif tokens[i] in (",", "and"):
             i += 2 if tokens[i] == "," and tokens[i + 1:i + 2] == ["and"] else 1
             ops.append(SEP)
             spans.append([])
@@ -96,6 +116,14 @@ def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation
             spans[-1].append(tokens[i])
             i += 1
     return spans, ops
+
+
+def _joins_colors(span: list[str], after: list[str]) -> bool:
+    """Whether "and" between colour words is one colour ("a black and white cat"): the span so
+    far is a count, "the" or "the ... is|are" and words ending in a colour, and a colour word
+    follows."""
+    return (len(span) >= 2 and ATTRIBUTE_KIND.get(span[-1]) == "color"
+            and bool(after) and ATTRIBUTE_KIND.get(after[0]) == "color")
 
 
 def _tokens(body: str) -> list[str]:
@@ -114,7 +142,6 @@ def _relation_at(tokens: list[str], i: int) -> tuple[str, ...] | None:
 
 def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tuple[int, str, int]]:
     """Edges (subject span, canonical relation, object span) in order of appearance."""
-    relations = [op for op in ops if isinstance(op, Relation)]
     for k, op in enumerate(ops):
         if isinstance(op, Relation) and not spans[k + 1]:
             raise ValueError(f"relation {op.form!r} must be followed by a noun phrase")
@@ -130,8 +157,16 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tupl
             continue
         if op.also and relation is None:
             raise ValueError(f"'and {op.form}' needs a relation before it to share its subject")
-        if not op.also:
-            subject = _next_subject(k, op, relation, run, relations)
+        if not op.also and relation is not None and k == run[0]:
+            # A chain "A rel B rel2 C": rel2 places B (the noun phrase it follows), except after
+            # "with", whose object belongs to A ("a girl with a kite next to a tree": the girl).
+            if op.canonical == "with":
+                raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
+                                 "noun phrase it belongs to (the first one or the one right "
+                                 "before it) is ambiguous")
+            subject = subject if relation.canonical == "with" else k
+        elif not op.also:
+            subject = _next_subject(k, op, relation, run)
             if relation is not None:
                 edges.remove((edges[-1][0], relation.canonical, k))
         relation, run = op, [k + 1]
@@ -139,19 +174,13 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tupl
     return edges
 
 
-def _next_subject(k: int, op: Relation, previous: Relation | None, run: list[int],
-                  relations: list[Relation]) -> int:
+def _next_subject(k: int, op: Relation, previous: Relation | None, run: list[int]) -> int:
     """The subject of relation `op` written right after span k (see the module docstring)."""
     if previous is None and len(run) > 1:
         raise ValueError(f"a list of noun phrases comes before the relation {op.form!r}, which "
                          "is ambiguous (does it place all of them, or only the last? write "
                          "one clause per subject, e.g. 'a cat next to a tree and a dog next to "
                          "the tree')")
-    if previous is not None and k == run[0]:
-        raise ValueError(f"it has {len(relations)} relation words "
-                         f"{[r.form for r in relations]} in a chain: the noun phrase between "
-                         f"{previous.form!r} and {op.form!r} is the object of one and the subject "
-                         "of the other, which is ambiguous")
     if previous is not None and len(run) > 2:
         raise ValueError(f"the relation {op.form!r} follows a list of objects of "
                          f"{previous.form!r}, which is ambiguous (does it place only the last?)")

@@ -4,9 +4,11 @@ Grammar (GenEval's six templates and the shapes world's forms are all instances)
     prompt    := [PREFIX] statement ( (";" | ".") statement )* ["."]   PREFIX: "a photo of ", ...
     statement := clause ( SEP clause )*  |  the-NP (is|are) ATTRIBUTE ( SEP ATTRIBUTE )*
                | the-NP (is|are) REL NP ( SEP NP )*
-    clause    := NP  |  NP REL NP ( SEP NP )* ( SEP REL NP ( SEP NP )* )*
+    clause    := NP  |  NP REL NP ( SEP NP )* ( (SEP | "") REL NP ( SEP NP )* )*
     NP        := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN  |  the-NP
     the-NP    := "the" ATTRIBUTE* NOUN       (names one noun phrase written before it)
+    NOUN      := WORD | COMPOUND | HEAD "of" (WORD | COMPOUND)   HEAD: a container or quantity
+    REL       := [POSTURE] RELATION-FORM                        POSTURE: "sitting", "parked", ...
     SEP       := ", " | " and " | ", and "
 REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "to the left of",
 "under", "behind", "in front of", "on top of", "next to", "beside", "near", "with", "on", "in",
@@ -14,22 +16,29 @@ REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "t
 each listed noun phrase ("a cat next to two dogs and a red chair": two edges). "and" before a
 second relation keeps the subject ("a cat left of a dog and above a box"); a noun phrase after the
 first object that is itself followed by a relation starts a new clause ("a cat left of a dog and a
-bird above a tree": the bird is above the tree). A separator before "the ... is|are" also starts a
+bird above a tree": the bird is above the tree). In a chain ("a book on a table next to a lamp")
+the later relation places the noun phrase it follows (the table), except after "with", whose object
+belongs to the subject ("a girl with a kite next to a tree": the girl). A separator before "the ... is|are" also starts a
 statement ("a cat next to a dog, the dog is brown"). Back-references and predications:
 `cast_core.csg_references` (a reference must name exactly one earlier noun phrase; a predication
 adds attributes to it, or relates it).
 
-Refused as ambiguous, each with its reason: a chain ("A left of B above C": which one is above
-C?), a list before a relation ("A and B left of C": both, or only B? the two held-out lists were
+Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on a bench with a
+dog": the girl's or the bench's?), "a pair of" (one object or two?), an attribute inside an "of"
+phrase ("a cup of green tea"), a list before a relation ("A and B left of C": both, or only B? the two held-out lists were
 written with opposite readings), and a new clause after two or more objects. ATTRIBUTE words come
 from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
-"dark", "navy"... + colour is one colour); a node's attributes are kept in `ATTRIBUTE_KINDS`
+"dark", "navy"... + colour is one colour, and so are two colours joined by "and", "black and
+white"); a node's attributes are kept in `ATTRIBUTE_KINDS`
 order. NOUN is one plain word, or a listed compound noun ("fire hydrant", and the few that start
 with an attribute word, such as "golden retriever", read whole), or, when a noun list is given,
-one of its nouns; with a count >= 2 its last word is singularised. A vocabulary word is the noun
+one of its nouns; with a count >= 2 its last word is singularised. An "of" phrase after a
+container or quantity (`OF_HEADS`: "a cup of tea", "two loaves of bread", "a stack of books") is
+one noun whose head takes the number; the words after "of" are kept as written. A vocabulary word is the noun
 only when nothing follows it and it can be one ("an orange", "a glass"). Any other word is an
 error naming it and, where it can tell, the construct (a verb such as "chasing", a nested clause,
-an unsupported relation such as "between", an "of" phrase), pointing to the LLM builder: the
+an unsupported relation such as "between", an "of" phrase after anything but a container or
+quantity), pointing to the LLM builder: the
 parser never guesses. An NP that agrees badly ("two circle") is read as meant, since invariant
 plurals ("two sheep") cannot be told apart from it.
 
@@ -69,6 +78,7 @@ from cast_core.csg_vocab import (
     CLAUSE_WORDS,
     COLOR_MODIFIERS,
     COMPOUND_NOUNS,
+    OF_HEADS,
     RELATION_PHRASES,
     UNSUPPORTED_RELATIONS,
     VERBS,
@@ -174,7 +184,8 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     try:
         local = clause_edges(spans, ops)
     except ValueError as err:
-        raise _fail(prompt, f"{err}; {_LLM}") from err
+        construct = next(filter(None, (_construct(span) for span in spans)), None)
+        raise _fail(prompt, (f"{construct}; " if construct else "") + f"{err}; {_LLM}") from err
     roles, index = _roles(ops), []
     for i, span in enumerate(spans):
         if span[:1] == ["the"]:
@@ -229,7 +240,7 @@ def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
         if split is not None:
             readings.append((split[0], split[1], count > 1))
     if not readings:
-        raise _fail(prompt, _no_split_reason(rest, text, nouns))
+        raise _fail(prompt, _no_split_reason(rest, text, nouns, 2 if plural else 1))
     try:
         return antecedent(text, readings, phrases)
     except ValueError as err:
@@ -260,12 +271,15 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
     _check_noun_words(rest, text, prompt, role)
     split = _split(rest, count, nouns)
     if split is None:
-        raise _fail(prompt, _no_split_reason(rest, text, nouns))
+        raise _fail(prompt, _no_split_reason(rest, text, nouns, count))
     return NounPhrase(split[0], count, split[1])
 
 
 def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> None:
-    bad = [w for w in rest if not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS]
+    allowed = {i for i, w in enumerate(rest) if w == "and" and _joins_colors(rest, i)}
+    allowed |= {_of_at(rest)}
+    bad = [w for i, w in enumerate(rest)
+           if i not in allowed and (not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS)]
     if not rest:
         raise _fail(prompt, f"noun phrase {text!r}{role} must be '(a|an|number|the) "
                             "[attributes] noun'")
@@ -280,12 +294,51 @@ def _split(rest: list[str], count: int,
            nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
     """(noun, attributes) of the words after the count: the longest noun whose words before are
     all attributes, one per kind; None when there is none."""
+    at = _of_at(rest)
+    if at is not None:
+        return _split_of(rest, at, count, nouns)
     for j in range(len(rest)):
         noun = singularize(" ".join(rest[j:])) if count > 1 else " ".join(rest[j:])
         attributes = _attributes(rest[:j])
         if attributes is not None and _is_noun(rest[j:], noun, nouns):
             return noun, attributes
     return None
+
+
+def _of_at(rest: list[str]) -> int | None:
+    """Index of the one "of" after a container or quantity word ("cup of", "loaves of", "pair
+    of"), where an "of" phrase may start; None when there is none."""
+    if rest.count("of") != 1 or rest.index("of") in (0, len(rest) - 1):
+        return None
+    at = rest.index("of")
+    return at if {rest[at - 1], singularize(rest[at - 1])} & (OF_HEADS | {"pair"}) else None
+
+
+def _split_of(rest: list[str], at: int, count: int,
+              nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """(noun, attributes) of "[attributes] HEAD of NOUN": one noun "cup of tea" whose head takes
+    the number ("two loaves of bread": loaf of bread x2); the attributes before the head are the
+    node's. None when the head is "pair", the words after "of" are not one noun, or an attribute
+    word is among them."""
+    head = singularize(rest[at - 1]) if count > 1 else rest[at - 1]
+    attributes = _attributes(rest[:at - 1])
+    if head not in OF_HEADS or attributes is None or not _inner_noun(rest[at + 1:]):
+        return None
+    noun = f"{head} of {' '.join(rest[at + 1:])}"
+    return (noun, attributes) if nouns is None or noun in nouns else None
+
+
+def _inner_noun(words: list[str]) -> bool:
+    """Whether the words after "of" are one noun, as written ("tea", "cookies", "orange juice")."""
+    if not words or any(not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS for w in words):
+        return False
+    return _is_noun(words, singularize(" ".join(words)), None) or " ".join(words) in COMPOUND_NOUNS
+
+
+def _joins_colors(words: list[str], i: int) -> bool:
+    """Whether words[i] ("and") joins two colour words into one colour ("black and white")."""
+    return (0 < i < len(words) - 1 and ATTRIBUTE_KIND.get(words[i - 1]) == "color"
+            and ATTRIBUTE_KIND.get(words[i + 1]) == "color")
 
 
 def _is_noun(words: list[str], noun: str, nouns: frozenset[str] | None) -> bool:
@@ -301,7 +354,8 @@ def _is_noun(words: list[str], noun: str, nouns: frozenset[str] | None) -> bool:
 
 def _attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
     """(kind, value) pairs of attribute words in kind order; None when a word is not one or a
-    kind repeats. A colour modifier joins the colour after it ("light blue")."""
+    kind repeats. A colour modifier joins the colour after it ("light blue"), and "and" joins
+    two colours into one ("black and white")."""
     found: dict[str, str] = {}
     i = 0
     while i < len(words):
@@ -312,6 +366,8 @@ def _attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
             kind, value, i = ATTRIBUTE_KIND[word], word, i + 1
         else:
             return None
+        while kind == "color" and words[i:i + 1] == ["and"] and _joins_colors(words, i):
+            value, i = f"{value} and {words[i + 1]}", i + 2
         if kind in found:
             return None
         found[kind] = value
@@ -322,14 +378,20 @@ def _construct(words: list[str]) -> str | None:
     """The unsupported construct the words after a count show, if one can be named."""
     for i, word in enumerate(words):
         later = i > 0
+        if word == "of" and _of_at(words) == i:
+            continue
         if word in CLAUSE_WORDS:
             return f"it has a nested clause ({' '.join(words[i:])!r}), which the offline parser " \
                    f"does not read"
         if later and word in VERBS:
             return f"it has a verb ({word!r}), which the offline parser does not read"
+        if later and word == "of" and words.count("of") > 1:
+            return f"it has 'of' {words.count('of')} times ({' '.join(words)!r}), which the " \
+                   f"offline parser does not read"
         if later and word == "of":
-            return (f"it has an 'of' phrase ({' '.join(words[i - 1:i + 2])!r}); quantities and "
-                    f"containers such as 'a cup of tea' are not read")
+            return (f"it has an 'of' phrase ({' '.join(words[i - 1:i + 2])!r}); the offline parser "
+                    f"reads 'of' only after a container or quantity ('a cup of tea', 'two loaves "
+                    f"of bread'; {sorted(OF_HEADS)})")
         if later and word in _RELATION_PARTS:
             return (f"relation form {' '.join(words[max(0, i - 2):i + 2])!r} is not one the "
                     f"offline parser reads; its forms are {sorted(RELATION_PHRASES)}")
@@ -343,20 +405,26 @@ def _construct(words: list[str]) -> str | None:
     return None
 
 
-def _no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None) -> str:
+def _no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None,
+                     count: int = 1) -> str:
     construct = _construct(rest)
     if construct:
         return f"{construct} (in noun phrase {text!r}); {_LLM}"
+    at = _of_at(rest)
+    if at is not None:
+        return _of_reason(rest, at, text, nouns, count)
     head_at = _head_start(rest, nouns)
     if head_at is None:
         return (f"noun phrase {text!r} names none of the listed nouns {sorted(nouns or ())}; "
                 "check the prompt against its metadata")
     before, head = rest[:head_at], " ".join(rest[head_at:])
-    if not before and head in ATTRIBUTE_KIND:
+    if head in ATTRIBUTE_KIND and (not before or _attributes(rest) is not None):
         return (f"{head!r} in {text!r} is an attribute ({ATTRIBUTE_KIND[head]}), not a noun; "
                 f"name the object after it")
     kinds, unknown, extra = {}, [], []
-    for word, after in zip(before, [*before[1:], head]):
+    for i, (word, after) in enumerate(zip(before, [*before[1:], head])):
+        if word == "and" and _joins_colors(rest, i):
+            continue
         colored = word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
         kind = ATTRIBUTE_KIND.get(word, "color" if colored else None)
         if kind is None:
@@ -372,6 +440,31 @@ def _no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None) -
         return (f"noun phrase {text!r} gives an attribute kind twice: {extra} repeats a kind "
                 f"already given; one value per kind ({_LLM})")
     return f"noun phrase {text!r} does not read as attributes and a noun; {_LLM}"
+
+
+def _of_reason(rest: list[str], at: int, text: str, nouns: frozenset[str] | None,
+               count: int) -> str:
+    head, inner = rest[at - 1], rest[at + 1:]
+    single = singularize(head) if count > 1 else head
+    if single == "pair" or head == "pair":
+        return (f"{text!r} has 'pair of', which reads either as one object ('a pair of skis') or "
+                f"as two ('two skis'), and the offline parser does not choose; {_LLM}")
+    if single not in OF_HEADS:
+        return (f"{head!r} in {text!r} does not agree with its count {count} before 'of'; "
+                f"{_LLM}")
+    if _attributes(rest[:at - 1]) is None:
+        return _no_split_reason(rest[:at], text, None, count)
+    if not _inner_noun(inner):
+        split = next((j for j in range(1, len(inner)) if _attributes(inner[:j]) is not None
+                      and _inner_noun(inner[j:])), None)
+        if split is not None:
+            return (f"attribute {' '.join(inner[:split])!r} inside the 'of' phrase in {text!r} "
+                    f"could describe the {single} or the {' '.join(inner[split:])}; write it "
+                    f"before {head!r} ('a steaming cup of tea') or {_LLM}")
+        return (f"{' '.join(inner)!r} after {head + ' of'!r} in {text!r} is not one noun the "
+                f"offline parser reads; {_LLM}")
+    return (f"noun phrase {text!r} names none of the listed nouns {sorted(nouns or ())}; "
+            "check the prompt against its metadata")
 
 
 def _head_start(rest: list[str], nouns: frozenset[str] | None) -> int | None:

@@ -1,8 +1,9 @@
 """Back-references in a prompt: "the cup" names a noun phrase written before it ("a plate and a
 cup; the cup is red", "a cat next to a dog and a bird above the dog").
 
-A reference "the [attributes] noun" matches an earlier noun phrase with that noun, every attribute
-it names, and the same number: "the dog" one dog, "the dogs" two or more ("the sheep", an invariant
+A reference "the [attributes] noun" matches an earlier noun phrase with that noun (or whose
+noun it is the head of: "the board" for "a cutting board", "the cup" for "a cup of tea"), every
+attribute it names, and the same number: "the dog" one dog, "the dogs" two or more ("the sheep", an invariant
 plural, either). It must match exactly one: none ("the water", with no water before it) and two
 ("the book" after a red and a blue book) are errors that say so, never a guess. A predication "the
 cup is red [and shiny]" adds attributes to the one it names; one that contradicts an attribute
@@ -29,7 +30,7 @@ def antecedent(text: str, readings: list[Reading], phrases: list[NounPhrase]) ->
     if len(found) == 1:
         return found[0]
     if not found:
-        same = [_shown(p) for p in phrases if any(p.noun == r[0] for r in readings)]
+        same = [_shown(p) for p in phrases if any(_same_noun(r[0], p.noun) for r in readings)]
         hint = f" (before it: {same})" if same else ""
         raise ValueError(f"{text!r} names no noun phrase written before it{hint}; introduce each "
                          f"object with a/an or a count, then refer to it as 'the ...'")
@@ -40,7 +41,15 @@ def antecedent(text: str, readings: list[Reading], phrases: list[NounPhrase]) ->
 def _names(reading: Reading, phrase: NounPhrase) -> bool:
     noun, attributes, plural = reading
     number_agrees = plural == (phrase.count > 1) or pluralize(noun) == noun
-    return phrase.noun == noun and set(attributes) <= set(phrase.attributes) and number_agrees
+    return (_same_noun(noun, phrase.noun) and set(attributes) <= set(phrase.attributes)
+            and number_agrees)
+
+
+def _same_noun(said: str, written: str) -> bool:
+    """Whether "the <said>" can name a noun phrase of noun `written`: the same noun, or its head
+    word ("the board" for "a cutting board", "the glass" for "a glass of water")."""
+    return (said == written or written.endswith(" " + said) and " of " not in written
+            or written.startswith(said + " of "))
 
 
 def _shown(phrase: NounPhrase) -> str:

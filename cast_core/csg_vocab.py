@@ -10,9 +10,13 @@ them apart (`ATTRIBUTE_COMPOUND_NOUNS`) so that they read as one noun, never as 
 
 Relation phrases map the forms people write to one canonical relation each ("under" and
 "beneath" are "below", "over" is "above", "beside" is "next to", "near" is "close to", "to the
-left of" is "left of", "inside" is "in"). Plurals: rules plus a small irregular table, which also undoes GenEval's
-own naive plural (name + "es" after a final s, else + "s"), so "two computer mouses", "two skises"
-and "two knifes" from GenEval's generator parse back to their class names.
+left of" is "left of", "inside" is "in"); "around" is a relation of its own. Posture verbs
+("sitting", "parked", ...) are read only right before a relation form, which they leave as it is
+("a cat sitting on a chair": on); "of" heads are the containers and quantities that make an "of"
+phrase one noun ("a cup of tea", "two loaves of bread"). Plurals: rules plus a small irregular
+table, which also undoes GenEval's own naive plural (name + "es" after a final s, else + "s"), so
+"two computer mouses", "two skises" and "two knifes" from GenEval's generator parse back to their
+class names.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ ALSO_NOUNS: frozenset[str] = frozenset(_DATA["also_nouns"])
 ATTRIBUTE_COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["attribute_compound_nouns"])
 COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["compound_nouns"]) | ATTRIBUTE_COMPOUND_NOUNS
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
-VERBS: frozenset[str] = frozenset(_DATA["verbs"])
+POSTURE_VERBS: frozenset[str] = frozenset(_DATA["posture_verbs"])
+VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS
+OF_HEADS: frozenset[str] = frozenset(_DATA["of_heads"])
 CLAUSE_WORDS: frozenset[str] = frozenset(_DATA["clause_words"])
 
 
@@ -56,7 +62,7 @@ RELATION_PHRASES = MappingProxyType({
     "on top of": "on top of", "atop": "on top of",
     "next to": "next to", "beside": "next to",
     "near": "close to", "close to": "close to",
-    "with": "with", "on": "on", "in": "in", "inside": "in",
+    "with": "with", "on": "on", "in": "in", "inside": "in", "around": "around",
 })
 RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
     (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))
@@ -85,7 +91,11 @@ _SINGULAR_EXCEPTIONS: dict[str, str] = {
 
 
 def singularize(noun: str) -> str:
-    """Singular of a plural noun phrase: only its last word changes ("wine glasses")."""
+    """Singular of a plural noun phrase: only its last word changes ("wine glasses"), or in an
+    "of" phrase the word before "of" ("loaves of bread" -> "loaf of bread")."""
+    if " of " in noun:
+        head, rest = noun.split(" of ", 1)
+        return f"{singularize(head)} of {rest}"
     *head, last = noun.split(" ")
     return " ".join([*head, _singular_word(last)])
 
@@ -105,7 +115,11 @@ def _singular_word(word: str) -> str:
 
 
 def pluralize(noun: str) -> str:
-    """Plural of a singular noun phrase, the inverse of `singularize` on its last word."""
+    """Plural of a singular noun phrase, the inverse of `singularize` on its last word (on the
+    word before "of" in an "of" phrase: "cup of tea" -> "cups of tea")."""
+    if " of " in noun:
+        head, rest = noun.split(" of ", 1)
+        return f"{pluralize(head)} of {rest}"
     *head, last = noun.split(" ")
     return " ".join([*head, _plural_word(last)])
 
