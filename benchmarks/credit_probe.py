@@ -85,7 +85,20 @@ def credit(args, results, graphs, b: int, g: int) -> tuple[torch.Tensor, float]:
             for ai, atom in enumerate(atoms):
                 if keep is None or atom.type in keep:
                     heat[bi, gi, ai] = torch.from_numpy(r.heatmaps[ai])
-    rewards = atom_reward(scores, mask, "mean")  # [B, G]
+    only = getattr(args, "reward_types", None)  # a reward of some atom types alone
+    if only:
+        kinds = set(only.split(","))
+        typed = torch.zeros_like(mask)
+        for bi in range(b):
+            for ai, atom in enumerate(graphs[bi * g].atoms()):
+                typed[bi, ai] = atom.type in kinds
+        if not typed.any():
+            raise SystemExit(f"no atom of type(s) {only} in these prompts")
+        has = typed.any(dim=-1)  # [B]; a prompt without such atoms gets reward 0 (no credit)
+        safe = torch.where(has[:, None], typed, mask)
+        rewards = torch.where(has[:, None], atom_reward(scores, safe, "mean"), 0.0)  # [B, G]
+    else:
+        rewards = atom_reward(scores, mask, "mean")  # [B, G]
     if args.credit == "scalar":
         adv = scalar_advantages(rewards, args.adv_std).advantages
         return adv.reshape(-1).float(), float(rewards.mean())
@@ -125,7 +138,8 @@ def make_probe(backbone, pool, graphs, args, name: str, per_iteration: int):
 
     def probe(k: int) -> None:
         with torch.no_grad():
-            x = sample_ode(backbone, prompts, seeds, STEPS, CFG)
+            x = sample_ode(backbone, prompts, seeds, getattr(args, "steps", STEPS),
+                           getattr(args, "cfg", CFG))
             res = verify(backbone.decode(x), probe_graphs)
         mean = sum(float(r.scores.mean()) for r in res) / len(res)
         strict = sum(float((r.scores > 0.5).all()) for r in res) / len(res)
@@ -152,6 +166,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--cfg", type=float, default=CFG,
+                    help="guidance scale of the rollouts, the policy trained and the probe")
     ap.add_argument("--every", type=int, default=4, help="probe every N iterations")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps-per-epoch", type=int, default=2)
@@ -178,14 +194,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     b, g = args.prompts, args.group
     name = args.name or (f"{args.credit}" + (f"-{args.heatmaps}" if args.credit == "map" else "")
-                         + f"-lr{args.lr}-s{args.seed}")
+                         + f"-lr{args.lr}" + (f"-cfg{args.cfg}" if args.cfg != CFG else "")
+                         + f"-s{args.seed}")
 
     backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
     torch.manual_seed(args.seed)
     params = add_lora(backbone, 8, 8.0)
     pool, graphs = load_pool(args.pool)
     w0, w1 = (int(v) for v in args.window.split(","))
-    spec = RolloutSpec(STEPS, CFG, args.noise, args.sde_kind, SdeWindow(w0, w1),
+    spec = RolloutSpec(STEPS, args.cfg, args.noise, args.sde_kind, SdeWindow(w0, w1),
                        noise_block=args.noise_block)
     kind = "scalar" if args.credit == "scalar" else "spatial"
     clip = args.clip_range or (1e-3 if kind == "scalar" else 0.032)

@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--reward", choices=("atoms", "red"), default="atoms",
                     help="atoms: the verifier's mean atom score; red: mean red minus the other "
                          "channels (a dense reward, the positive control; scalar credit only)")
+    ap.add_argument("--reward-types", default=None,
+                    help="comma list of atom types (object, count, attribute, relation): the "
+                         "reward is the mean score of those atoms alone (scalar credit)")
     ap.add_argument("--antithetic", action="store_true")
     ap.add_argument("--center", action="store_true",
                     help="nft with map credit: subtract each group's mean map at every position")
@@ -184,7 +187,8 @@ def main() -> None:
             f"{f' block {args.noise_block}' if args.noise_block > 1 else ''}"
             f"{' global std' if args.adv_std == 'global_std' else ''}"
             f"{' same starts' if args.same_starts else ''}"
-            f"{' reward red' if args.reward == 'red' else ''}")
+            f"{' reward red' if args.reward == 'red' else ''}"
+            f"{f' reward {args.reward_types} atoms' if args.reward_types else ''}")
     if args.credit == "map" and (args.heatmap_norm, args.spatial_mix) != ("mass", 1.0):
         name += f" ({args.heatmap_norm} norm, mix {args.spatial_mix})"
     if args.objective == "nft":

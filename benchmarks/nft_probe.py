@@ -40,6 +40,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -51,6 +52,7 @@ from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
 from cast_core.policy import add_lora, linear_warmup_lr
 from cast_core.sampling import encode_conditioning, sample_ode
+from cast_core.shapes.render import render, sample_scene
 from cast_core.shapes.verifier import verify
 
 
@@ -58,6 +60,11 @@ def iteration_optimality(args, results, graphs, b: int, g: int, grid: tuple[int,
     """(r: [N] or [N, H, W] in [0, 1], mean score) of one iteration's samples: the credit of
     `credit_probe.credit` (a map pooled to the token grid, optionally centred per group)."""
     adv, score = credit(args, results, graphs, b, g)  # [N] or [N, H, W]
+    if args.top_k:  # rejection-sampling fine-tuning: the group's best k pulled, the rest ignored
+        if adv.dim() != 1:
+            raise SystemExit("--top-k takes --credit scalar")
+        rank = adv.view(b, g).argsort(dim=1, descending=True).argsort(dim=1)  # 0 = best
+        return torch.where(rank < args.top_k, 1.0, 0.5).reshape(-1), score
     if adv.dim() == 3:
         hh, ww = adv.shape[-2:]
         pooled = F.adaptive_avg_pool2d(adv[:, None], grid)  # token grid
@@ -85,10 +92,22 @@ def main() -> None:
     ap.add_argument("--inner-epochs", type=int, default=2)
     ap.add_argument("--steps-per-epoch", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=32)
-    ap.add_argument("--train-cfg", type=float, default=CFG)
+    ap.add_argument("--cfg", type=float, default=CFG,
+                    help="guidance scale of the rollouts and of the probe (1: CFG-free policy)")
+    ap.add_argument("--train-cfg", type=float, default=None,
+                    help="guidance scale of the velocity trained (default: --cfg, the sampler's)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="ODE steps of rollouts and probe")
     ap.add_argument("--spatial-mix", type=float, default=1.0)
     ap.add_argument("--center", action="store_true",
                     help="map credit: subtract each group's mean map at every position")
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="r = 1 for each group's k best samples, 1/2 (no gradient at the old "
+                         "policy) for the rest: rejection-sampling fine-tuning (RAFT, Dong et al. "
+                         "2023) through the same loss; 0: the advantage mapping")
+    ap.add_argument("--renders", action="store_true",
+                    help="control: train on exact renders of the prompts' records (a fresh scene "
+                         "a sample) instead of the policy's samples; with --top-k G this is "
+                         "supervised fine-tuning on the world's ground truth")
     ap.add_argument("--no-adaptive", action="store_true", help="no per-sample loss weight")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=16)
@@ -100,9 +119,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.heatmaps, args.own_types, args.adv_std = "others", None, "group"  # credit()'s settings
+    if args.train_cfg is None:
+        args.train_cfg = args.cfg
     torch.set_num_threads(args.threads)
     b, g = args.prompts, args.group
-    name = args.name or f"nft-{args.credit}-lr{args.lr}-b{args.beta}-s{args.seed}"
+    name = args.name or (f"nft-{args.credit}-lr{args.lr}-b{args.beta}"  # arm, then "-s<seed>"
+                         + (f"-top{args.top_k}" if args.top_k else "")
+                         + (f"-cfg{args.cfg}-train{args.train_cfg}" if args.cfg != CFG
+                            or args.train_cfg != CFG else "")
+                         + (f"-steps{args.steps}" if args.steps != STEPS else "")
+                         + ("-renders" if args.renders else "") + f"-s{args.seed}")
 
     backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
     torch.manual_seed(args.seed)
@@ -119,7 +145,11 @@ def main() -> None:
         batch_graphs = [graphs[i] for i in idx for _ in range(g)]
         seeds = [args.seed * 10**7 + k * 10**4 + i for i in range(b * g)]
         with torch.no_grad():
-            x0 = sample_ode(backbone, prompts, seeds, STEPS, CFG)
+            x0 = sample_ode(backbone, prompts, seeds, args.steps, args.cfg)
+        if args.renders:  # the control: exact renders of each prompt's record instead
+            rng = np.random.default_rng([args.seed, k])
+            imgs = np.stack([render(sample_scene(pool[i], rng)).image for i in idx for _ in range(g)])
+            x0 = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1.0
         results = verify(backbone.decode(x0), batch_graphs)
         r, train_score = iteration_optimality(args, results, batch_graphs, b, g, grid)
         n = x0.shape[0]

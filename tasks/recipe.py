@@ -251,9 +251,12 @@ class TrainSection(_Section):
     reward form; 2 group SDs is ours); `nft_adaptive_weight` each sample's loss over the old
     policy's own error at its t (DiffusionNFT's adaptive weighting, in our form
     `nft.adaptive_weight`); `nft_centre` group-centres the credit (ours: measured necessary for
-    CAST's map, whose credits lean positive); `nft_guidance` "sampler" trains the velocity at the
-    sampler's CFG scale (ours), "none" the conditional one alone (DiffusionNFT's CFG-free
-    training). The old policy is the one that sampled the iteration (a hard update each
+    CAST's map, whose credits lean positive); `nft_guidance` "none" (the default) trains the
+    conditional velocity alone (DiffusionNFT's CFG-free training), "sampler" the guided one at
+    the sampler's CFG scale (ours, the first default: fitting the guided velocity to images undoes
+    what guidance adds, measured in reports/learning-probes section 6: supervised fine-tuning on
+    exact renders through it took the CFG-4 probe from 0.614 to 0.468, the CFG-1 level, in 512
+    renders; through the conditional velocity it stayed at 0.594-0.643). The old policy is the one that sampled the iteration (a hard update each
     iteration)."""
 
     unpinned: ClassVar[tuple[str, ...]] = ("micro_batch",)
@@ -279,7 +282,7 @@ class TrainSection(_Section):
     nft_a_max: float = Field(2.0, gt=0.0)
     nft_adaptive_weight: bool = True
     nft_centre: bool = True
-    nft_guidance: Literal["sampler", "none"] = "sampler"
+    nft_guidance: Literal["sampler", "none"] = "none"
 
     @model_validator(mode="after")
     def _t_range(self) -> TrainSection:

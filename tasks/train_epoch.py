@@ -179,6 +179,14 @@ def _nft_step_row(u: NftStep, config: NftConfig, adv_mass: float) -> dict:
                 {"t_bins": bins, "loss": list(u.loss_by_t)})}
 
 
+def nft_training_guidance(recipe: Recipe) -> float:
+    """The guidance scale of the velocity the NFT loss trains: 1 (the conditional velocity) with
+    `train.nft_guidance = "none"`, the sampler's scale with "sampler"."""
+    if recipe.train.nft_guidance == "sampler":
+        return recipe.sampling.guidance_scale
+    return 1.0
+
+
 def nft_config(recipe: Recipe) -> NftConfig:
     """The recipe's `train.nft_*` fields as the update's config."""
     tr = recipe.train
@@ -303,7 +311,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
 
             if tr.objective == "nft":
                 nft = nft_config(recipe)
-                scale = recipe.sampling.guidance_scale if tr.nft_guidance == "sampler" else 1.0
+                scale = nft_training_guidance(recipe)
                 updates = nft_update(backbone, optimizer, prompts, rollout.x0, adv[index], nft,
                                      scale, derive_seed(recipe.run.seed, "nft", iteration),
                                      lr_for_step=lr_for_step, on_step=show)

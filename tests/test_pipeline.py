@@ -474,6 +474,18 @@ def test_nft_objective_trains_on_ode_samples(ref, tmp_path, kind):
     assert all(r.skipped for r in again.values())
 
 
+def test_nft_trains_the_conditional_velocity_by_default(ref):
+    """`train.nft_guidance` defaults to "none": the NFT loss trains the conditional velocity
+    (scale 1), whatever the sampler's CFG; "sampler" trains the guided one at its scale."""
+    from tasks.train_epoch import nft_training_guidance
+
+    recipe = ci_recipe(ref[2], **NFT)
+    assert recipe.train.nft_guidance == "none" and recipe.sampling.guidance_scale != 1.0
+    assert nft_training_guidance(recipe) == 1.0
+    guided = ci_recipe(ref[2], **NFT, **{"train.nft_guidance": "sampler"})
+    assert nft_training_guidance(guided) == guided.sampling.guidance_scale
+
+
 def test_nft_recipe_refuses_what_it_cannot_do(ref):
     from tasks.recipe import RecipeError
 
