@@ -333,14 +333,15 @@ def held_out_files(store, size: Size) -> dict[str, str]:
 
 
 def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
-               lr: float | None = None):
+               lr: float | None = None, guidance: float | None = None):
     """The arm's training recipe at this size and seed, run `name`, on the pool with "cycle"
-    (`lr`, when given, replaces the learning rate)."""
+    (`lr`, when given, replaces the learning rate; `guidance` the CFG scale of the rollouts and
+    of every evaluation)."""
     from tasks.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
              "window.calibration_prompts": size.calibration_prompts, "run.threads": threads,
-             "train.lr": lr}
+             "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance}
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
         "run.name": name, "run.seed": seed, "prompts.train": POOL, "prompts.selection": "cycle"})
@@ -765,7 +766,7 @@ def summarise_recast(res: Results, sm: Summary, prefix: str, size: Size) -> Reca
 def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, prefix: str,
                   threads: int | None = None, command: str = "", suite: str = "main",
                   lr: float | None = None, only: list[str] | None = None,
-                  quick: bool = False) -> dict:
+                  quick: bool = False, guidance: float | None = None) -> dict:
     """Train every arm x seed with its probes, evaluate finals and base, summarise from the
     store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
     "wall_s"}."""
@@ -777,14 +778,15 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     start, store = time.perf_counter(), Store(store_dir)
     arm_defs, seeds = select_arms(suite, only), list(range(size.seeds))
     names = [a.name for a in arm_defs]
-    recipes = {(a.name, x): recipe_for(a, x, size, run_name(prefix, a.name, x), threads, lr)
+    recipes = {(a.name, x): recipe_for(a, x, size, run_name(prefix, a.name, x), threads, lr,
+                                       guidance)
                for a in arm_defs for x in seeds}
     pool_size = len(load_prompts(recipes[(BASELINE, 0)], POOL))
     if size.per_iteration > pool_size:
         raise ValueError(f"per_iteration {size.per_iteration} exceeds the pool's {pool_size} "
                          f"prompts ({POOL}); set --per-iteration <= {pool_size}")
     passes = eval_passes(size, held_out_files(store, size))
-    base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr)
+    base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr, guidance)
     for x in seeds:
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
     check_paired_evals([base, *recipes.values()], passes)
@@ -838,6 +840,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (run.threads)")
     parser.add_argument("--lr", type=float, default=None,
                         help="replace every arm's learning rate (a probe: use its own --store)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="CFG scale of every arm's rollouts and of every evaluation (1: a "
+                             "CFG-free policy, trained and judged without guidance; see "
+                             "reports/learning-probes section 6; use its own --store)")
     for flag in ("seeds", "iterations", "per-iteration", "group-size", "probe-images",
                  "pool-images", "hard-images", "eval-images", "held-out-prompts"):
         parser.add_argument(f"--{flag}", type=int, default=None,
@@ -845,6 +851,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0; got {args.lr}")
+    if args.guidance is not None and not args.guidance >= 1.0:
+        parser.error(f"--guidance must be >= 1 (1 is no guidance); got {args.guidance}")
     size = _size_from_args(args)
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     if args.quick and only is None:
@@ -859,7 +867,8 @@ def main(argv: list[str] | None = None) -> None:
     command = "python benchmarks/bench_methods.py " + " ".join(sys.argv[1:] if argv is None
                                                                else argv)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
-                  command.strip(), args.suite, args.lr, only, quick=args.quick)
+                  command.strip(), args.suite, args.lr, only, quick=args.quick,
+                  guidance=args.guidance)
 
 
 if __name__ == "__main__":

@@ -181,6 +181,9 @@ def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
     with pytest.raises(ValueError, match="seed"):
         bm.check_equal_budget([recipes["cast"], other])
     assert bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-lr", 1, lr=1e-2).train.lr == 1e-2
+    free = bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-cfg", 1, guidance=1.0)
+    assert free.sampling.guidance_scale == free.eval.guidance_scale == 1.0
+    assert recipes[bm.arms()[1].name].sampling.guidance_scale == 4.0
 
 
 def test_suites_and_arm_selection():
