@@ -1,13 +1,15 @@
 """Deterministic CSG builder for compositional prompts, from prompt text or GenEval metadata.
 
 Grammar (GenEval's six templates and the shapes world's forms are all instances):
-    prompt    := [PREFIX] statement ( (";" | ".") statement )* ["."]   PREFIX: "a photo of ", ...
+    prompt    := [PREFIX] ["there is " | "there are "] statement ( (";" | ".") statement )* ["."]
+                                                                    PREFIX: "a photo of ", ...
     statement := clause ( SEP clause )*  |  the-NP (is|are) ATTRIBUTE ( SEP ATTRIBUTE )*
                | the-NP (is|are) REL NP ( SEP NP )*
     clause    := NP  |  NP REL NP ( SEP NP )* ( (SEP | "") REL NP ( SEP NP )* )*
-    NP        := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN  |  the-NP
+    NP        := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN ["made of" MATERIAL]  |  the-NP
     the-NP    := "the" ATTRIBUTE* NOUN       (names one noun phrase written before it)
     NOUN      := WORD | COMPOUND | HEAD "of" (WORD | COMPOUND)   HEAD: a container or quantity
+               | "pair of" ATTRIBUTE* (WORD | COMPOUND)
     REL       := [POSTURE] RELATION-FORM                        POSTURE: "sitting", "parked", ...
     SEP       := ", " | " and " | ", and "
 REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "to the left of",
@@ -16,17 +18,20 @@ REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "t
 each listed noun phrase ("a cat next to two dogs and a red chair": two edges). "and" before a
 second relation keeps the subject ("a cat left of a dog and above a box"); a noun phrase after the
 first object that is itself followed by a relation starts a new clause ("a cat left of a dog and a
-bird above a tree": the bird is above the tree). In a chain ("a book on a table next to a lamp")
+bird above a tree": the bird is above the tree). A list before the first relation gives each
+listed noun phrase the relation ("a cat and a dog on a sofa": both are on it). In a chain ("a book on a table next to a lamp")
 the later relation places the noun phrase it follows (the table), except after "with", whose object
-belongs to the subject ("a girl with a kite next to a tree": the girl). A separator before "the ... is|are" also starts a
+belongs to the subject ("a girl with a kite next to a tree": the girl). "between" takes one noun
+phrase of two or more ("a lamp between two chairs"). A separator before "the ... is|are" also starts a
 statement ("a cat next to a dog, the dog is brown"). Back-references and predications:
 `cast_core.csg_references` (a reference must name exactly one earlier noun phrase; a predication
 adds attributes to it, or relates it).
 
 Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on a bench with a
-dog": the girl's or the bench's?), "a pair of" (one object or two?), an attribute inside an "of"
-phrase ("a cup of green tea"), a list before a relation ("A and B left of C": both, or only B? the two held-out lists were
-written with opposite readings), and a new clause after two or more objects. ATTRIBUTE words come
+dog": the girl's or the bench's?), a chain whose first relation is "in" ("a girl in a yellow
+raincoat next to a red umbrella": "in" may mean wearing), "between" followed by a list ("between
+a tree and a lamp": one relation of three noun phrases, which an edge cannot state), an attribute
+inside an "of" phrase ("a cup of green tea"), and a new clause after two or more objects. ATTRIBUTE words come
 from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
 "dark", "navy"... + colour is one colour, and so are two colours joined by "and", "black and
 white"); a node's attributes are kept in `ATTRIBUTE_KINDS`
@@ -34,7 +39,10 @@ order. NOUN is one plain word, or a listed compound noun ("fire hydrant", and th
 with an attribute word, such as "golden retriever", read whole), or, when a noun list is given,
 one of its nouns; with a count >= 2 its last word is singularised. An "of" phrase after a
 container or quantity (`OF_HEADS`: "a cup of tea", "two loaves of bread", "a stack of books") is
-one noun whose head takes the number; the words after "of" are kept as written. A vocabulary word is the noun
+one noun whose head takes the number; the words after "of" are kept as written. "pair of" is one
+too ("two pairs of red socks": pair of socks x2, colour red: an attribute after "of" is the
+pair's). "made of" + a material word after the noun, or in a predication ("the gate is made of
+iron"), is the material attribute, as written. A vocabulary word is the noun
 only when nothing follows it and it can be one ("an orange", "a glass"). Any other word is an
 error naming it and, where it can tell, the construct (a verb such as "chasing", a nested clause,
 an unsupported relation such as "between", an "of" phrase after anything but a container or

@@ -334,6 +334,8 @@ def test_prompt_length_and_atom_limits():
 # to a house"; elsewhere it keeps it), and reads one chain the other way from the 13 chains of the
 # first two lists ("a pink piggy bank on a shelf beside three gold coins": the parser places the
 # shelf beside the coins).
+# The fourth list's one is not a label: the parser reads "a blue whale" (the animal) as a whale
+# coloured blue; only the compound list can know a species name that starts with a colour word.
 LABEL_DIFFERENCES = {
     "compositional_heldout.jsonl": ["six yellow rubber ducks in front of a bathtub",
                                     "a pair of skis",
@@ -353,6 +355,7 @@ LABEL_DIFFERENCES = {
                                      "an old man sitting on a bench beside a lake",
                                      "a red car and a blue car parked next to a house",
                                      "a pink piggy bank on a shelf beside three gold coins"],
+    "compositional_heldout4.jsonl": ["a blue whale below a small boat"],
 }
 
 
