@@ -16,7 +16,8 @@ starts a new clause; a list before the first relation gives each listed noun phr
 ("a cat and a dog on a sofa": both are on it); in a chain ("A on B next to C") the second relation
 places the noun phrase it follows (B), or after "with" the subject (A); a chain whose later
 relation is "with" ("a girl on a bench with a dog") or whose first relation is "in" ("a girl in a
-yellow raincoat next to a red umbrella": wearing or containment?), "between" followed by a list,
+yellow raincoat next to a red umbrella": wearing or containment?), "with" after a list ("a cat and
+a dog with a collar": whose?), "between" followed by a list,
 and a new clause after two or more objects raise ValueError saying why.
 """
 
@@ -199,6 +200,10 @@ def _next_subjects(k: int, op: Relation, previous: Relation | None, run: list[in
     """The subjects of relation `op` written right after span k (see the module docstring): every
     noun phrase of a list before the first relation ("a cat and a dog on a sofa": both are on
     it), else the noun phrase before it."""
+    if previous is None and len(run) > 1 and op.canonical == "with":
+        raise ValueError("'with' follows a list of noun phrases ('a cat and a dog with a red "
+                         "collar'): does each have it, or only the last? write one clause per "
+                         "noun phrase")
     if previous is None:
         return list(run)
     if len(run) > 2:

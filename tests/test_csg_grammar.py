@@ -171,6 +171,8 @@ NEGATIVE = [
     ("a cat to the left of", "relation 'to the left of' must be followed by a noun phrase"),
     ("to the left of a dog", "relation 'to the left of' needs a noun phrase before it"),
     ("a cat next to a dog, a bird and a fish above a tree", "follows a list of objects"),
+    ("a cat and a dog with a red collar", "'with' follows a list of noun phrases"),
+    ("a boy, a girl and a man with a kite next to a tree", "'with' follows a list of noun phrases"),
     ("a girl on a bench with a dog", "'with' follows the relation 'on' in a chain"),
     ("a bike across a road and under a window", "relation 'across' is not one"),
     ("a girl in a yellow raincoat next to a red umbrella", "a chain starts with 'in'"),
