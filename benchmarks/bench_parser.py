@@ -2,13 +2,15 @@
 silently wrong graphs on every set, GenEval-format agreement, and parsing time.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_parser.py [--geneval FILE ...] [--repeats 5]
+        [--refusals compositional_heldout3.jsonl]
 
 Sets:
 - held-out: tests/data/compositional_heldout.jsonl (356 prompts written before the first grammar
   round, whose refusals then guided the second) and tests/data/compositional_heldout2.jsonl (330
   prompts written before the second round, which guided the third) and
-  tests/data/compositional_heldout3.jsonl (340 prompts written before the third round and not
-  tuned to afterwards), each with its intended graph;
+  tests/data/compositional_heldout3.jsonl (340 prompts written before the third round, which
+  guided the fourth) and tests/data/compositional_heldout4.jsonl (346 prompts written before the
+  fourth round and not tuned to afterwards), each with its intended graph;
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
   JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
@@ -44,7 +46,7 @@ def shape(graph) -> tuple[list, list]:
 
 
 HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
-            "compositional_heldout3.jsonl")
+            "compositional_heldout3.jsonl", "compositional_heldout4.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:
@@ -117,7 +119,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--geneval", type=Path, nargs="*", default=[])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--refusals", metavar="FILE", help="list a held-out file's refusals and "
+                        "their reasons, then stop")
     args = parser.parse_args()
+    if args.refusals:
+        for prompt, _, _ in held_out(args.refusals):
+            try:
+                parse_prompt(prompt)
+            except PromptParseError as error:
+                print(f"{prompt!r}: {str(error).splitlines()[0]}")
+        return
     rows = {name: held_out(name) for name in HELD_OUT}
     for name in HELD_OUT:
         report(f"held-out {name.removesuffix('.jsonl').removeprefix('compositional_')}", rows[name])

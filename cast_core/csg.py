@@ -14,8 +14,8 @@ Conventions (ours; the CAST paper publishes no schema):
 - Answers are "yes" for yes/no atoms and the digit string of the count for count atoms.
 - Relations: GenEval's four (`RELATIONS`, the only ones its metadata and the LLM builder write)
   and the offline parser's others (`EXTRA_RELATIONS`: "in front of", "behind", "on top of",
-  "next to", "close to" for "near", "with", "on", "in" and "around"). A graph has at most `MAX_ATOMS`
-  atoms.
+  "next to", "close to" for "near", "with", "on", "in", "around", "against" and "between", whose
+  object is one node of count two or more). A graph has at most `MAX_ATOMS` atoms.
 
 `atoms()` orders node atoms in node order, then edge atoms. `to_dict`/`from_dict` round-trip
 exactly; `from_dict` only rebuilds, call `validate_graph` to check the result.
@@ -30,7 +30,7 @@ from typing import Any, Literal
 AtomType = Literal["object", "count", "attribute", "relation"]
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 EXTRA_RELATIONS: tuple[str, ...] = ("in front of", "behind", "on top of", "next to", "close to",
-                                    "with", "on", "in", "around")
+                                    "with", "on", "in", "around", "against", "between")
 ALL_RELATIONS: tuple[str, ...] = RELATIONS + EXTRA_RELATIONS
 MIN_COUNT = 1
 MAX_COUNT = 10

@@ -12,10 +12,13 @@ noun phrase's state as well), and "and" between two colour words inside a noun
 phrase is part of one colour ("a black and white cat"). The edge rules and the ambiguous shapes
 that raise are those of the parser's docstring: a relation takes the list after it as objects;
 "and" + relation keeps the subject; a phrase after the first object that is followed by a relation
-starts a new clause; in a chain ("A on B next to C") the second relation places the noun phrase
-it follows (B), or after "with" the subject (A); a chain whose later relation is "with" ("a girl
-on a bench with a dog"), a list before a relation, and a new clause after two or more objects
-raise ValueError saying why.
+starts a new clause; a list before the first relation gives each listed noun phrase the relation
+("a cat and a dog on a sofa": both are on it); in a chain ("A on B next to C") the second relation
+places the noun phrase it follows (B), or after "with" the subject (A); a chain whose later
+relation is "with" ("a girl on a bench with a dog") or whose first relation is "in" ("a girl in a
+yellow raincoat next to a red umbrella": wearing or containment?), "with" after a list ("a cat and
+a dog with a collar": whose?), "between" followed by a list,
+and a new clause after two or more objects raise ValueError saying why.
 """
 
 from __future__ import annotations
@@ -91,8 +94,12 @@ def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation
         if posture:
             verb, form = tokens[i], _relation_at(tokens, i + 1)
             if verb in ATTRIBUTE_KIND:
-                # a state word as well ("a red truck parked next to a house"): the truck's state
-                spans[-1].insert(1, verb)
+                # a state word as well ("a red truck parked next to a house"): the truck's state;
+                # before the first relation, of each listed noun phrase ("a red car and a blue car
+                # parked next to a house": both are parked, both are next to it)
+                first = not any(isinstance(op, Relation) for op in ops)
+                for span in spans if first else spans[-1:]:
+                    span.insert(1, verb)
             i += 1 + len(form)
             phrase = " ".join(form)
             ops.append(Relation(RELATION_PHRASES[phrase], f"{verb} {phrase}"))
@@ -148,12 +155,17 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tupl
         if isinstance(op, Relation) and not spans[k]:
             raise ValueError(f"relation {op.form!r} needs a noun phrase before it")
     edges: list[tuple[int, str, int]] = []
-    subject, relation, run = 0, None, [0]
+    subjects, relation, run = [0], None, [0]
     for k, op in enumerate(ops):
         if op == SEP:
+            if relation is not None and relation.canonical == "between":
+                raise ValueError(f"{relation.form!r} is followed by a list: 'X between A and B' "
+                                 "relates three noun phrases at once, which a scene graph edge "
+                                 "(one subject, one object) cannot state; write 'between' with "
+                                 "one noun phrase of two or more ('a lamp between two chairs')")
             run.append(k + 1)
             if relation is not None:
-                edges.append((subject, relation.canonical, k + 1))
+                edges += [(s, relation.canonical, k + 1) for s in subjects]
             continue
         if op.also and relation is None:
             raise ValueError(f"'and {op.form}' needs a relation before it to share its subject")
@@ -164,24 +176,37 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tupl
                 raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
                                  "noun phrase it belongs to (the first one or the one right "
                                  "before it) is ambiguous")
-            subject = subject if relation.canonical == "with" else k
+            if relation.form == "in":
+                raise ValueError(f"a chain starts with 'in' and goes on with {op.form!r}: 'in' "
+                                 "may mean wearing ('a girl in a yellow raincoat next to a red "
+                                 "umbrella': the girl is next to it) or containment ('a cat in "
+                                 "a basket on a sofa': the basket is on it), so which noun "
+                                 f"phrase {op.form!r} places is ambiguous; write one clause per "
+                                 "relation ('a girl in a yellow raincoat and next to a red "
+                                 "umbrella')")
+            subjects = subjects if relation.canonical == "with" else [k]
         elif not op.also:
-            subject = _next_subject(k, op, relation, run)
+            before = subjects
+            subjects = _next_subjects(k, op, relation, run)
             if relation is not None:
-                edges.remove((edges[-1][0], relation.canonical, k))
+                for s in before:
+                    edges.remove((s, relation.canonical, k))
         relation, run = op, [k + 1]
-        edges.append((subject, op.canonical, k + 1))
+        edges += [(s, op.canonical, k + 1) for s in subjects]
     return edges
 
 
-def _next_subject(k: int, op: Relation, previous: Relation | None, run: list[int]) -> int:
-    """The subject of relation `op` written right after span k (see the module docstring)."""
-    if previous is None and len(run) > 1:
-        raise ValueError(f"a list of noun phrases comes before the relation {op.form!r}, which "
-                         "is ambiguous (does it place all of them, or only the last? write "
-                         "one clause per subject, e.g. 'a cat next to a tree and a dog next to "
-                         "the tree')")
-    if previous is not None and len(run) > 2:
+def _next_subjects(k: int, op: Relation, previous: Relation | None, run: list[int]) -> list[int]:
+    """The subjects of relation `op` written right after span k (see the module docstring): every
+    noun phrase of a list before the first relation ("a cat and a dog on a sofa": both are on
+    it), else the noun phrase before it."""
+    if previous is None and len(run) > 1 and op.canonical == "with":
+        raise ValueError("'with' follows a list of noun phrases ('a cat and a dog with a red "
+                         "collar'): does each have it, or only the last? write one clause per "
+                         "noun phrase")
+    if previous is None:
+        return list(run)
+    if len(run) > 2:
         raise ValueError(f"the relation {op.form!r} follows a list of objects of "
                          f"{previous.form!r}, which is ambiguous (does it place only the last?)")
-    return k
+    return [k]

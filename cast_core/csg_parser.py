@@ -1,13 +1,15 @@
 """Deterministic CSG builder for compositional prompts, from prompt text or GenEval metadata.
 
 Grammar (GenEval's six templates and the shapes world's forms are all instances):
-    prompt    := [PREFIX] statement ( (";" | ".") statement )* ["."]   PREFIX: "a photo of ", ...
+    prompt    := [PREFIX] ["there is " | "there are "] statement ( (";" | ".") statement )* ["."]
+                                                                    PREFIX: "a photo of ", ...
     statement := clause ( SEP clause )*  |  the-NP (is|are) ATTRIBUTE ( SEP ATTRIBUTE )*
                | the-NP (is|are) REL NP ( SEP NP )*
     clause    := NP  |  NP REL NP ( SEP NP )* ( (SEP | "") REL NP ( SEP NP )* )*
-    NP        := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN  |  the-NP
+    NP        := (a | an | one..ten | 1..10) ATTRIBUTE* NOUN ["made of" MATERIAL]  |  the-NP
     the-NP    := "the" ATTRIBUTE* NOUN       (names one noun phrase written before it)
     NOUN      := WORD | COMPOUND | HEAD "of" (WORD | COMPOUND)   HEAD: a container or quantity
+               | "pair of" ATTRIBUTE* (WORD | COMPOUND)
     REL       := [POSTURE] RELATION-FORM                        POSTURE: "sitting", "parked", ...
     SEP       := ", " | " and " | ", and "
 REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "to the left of",
@@ -16,17 +18,20 @@ REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "t
 each listed noun phrase ("a cat next to two dogs and a red chair": two edges). "and" before a
 second relation keeps the subject ("a cat left of a dog and above a box"); a noun phrase after the
 first object that is itself followed by a relation starts a new clause ("a cat left of a dog and a
-bird above a tree": the bird is above the tree). In a chain ("a book on a table next to a lamp")
+bird above a tree": the bird is above the tree). A list before the first relation gives each
+listed noun phrase the relation ("a cat and a dog on a sofa": both are on it). In a chain ("a book on a table next to a lamp")
 the later relation places the noun phrase it follows (the table), except after "with", whose object
-belongs to the subject ("a girl with a kite next to a tree": the girl). A separator before "the ... is|are" also starts a
+belongs to the subject ("a girl with a kite next to a tree": the girl). "between" takes one noun
+phrase of two or more ("a lamp between two chairs"). A separator before "the ... is|are" also starts a
 statement ("a cat next to a dog, the dog is brown"). Back-references and predications:
 `cast_core.csg_references` (a reference must name exactly one earlier noun phrase; a predication
 adds attributes to it, or relates it).
 
 Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on a bench with a
-dog": the girl's or the bench's?), "a pair of" (one object or two?), an attribute inside an "of"
-phrase ("a cup of green tea"), a list before a relation ("A and B left of C": both, or only B? the two held-out lists were
-written with opposite readings), and a new clause after two or more objects. ATTRIBUTE words come
+dog": the girl's or the bench's?), a chain whose first relation is "in" ("a girl in a yellow
+raincoat next to a red umbrella": "in" may mean wearing), "between" followed by a list ("between
+a tree and a lamp": one relation of three noun phrases, which an edge cannot state), an attribute
+inside an "of" phrase ("a cup of green tea"), and a new clause after two or more objects. ATTRIBUTE words come
 from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
 "dark", "navy"... + colour is one colour, and so are two colours joined by "and", "black and
 white"); a node's attributes are kept in `ATTRIBUTE_KINDS`
@@ -34,7 +39,10 @@ order. NOUN is one plain word, or a listed compound noun ("fire hydrant", and th
 with an attribute word, such as "golden retriever", read whole), or, when a noun list is given,
 one of its nouns; with a count >= 2 its last word is singularised. An "of" phrase after a
 container or quantity (`OF_HEADS`: "a cup of tea", "two loaves of bread", "a stack of books") is
-one noun whose head takes the number; the words after "of" are kept as written. A vocabulary word is the noun
+one noun whose head takes the number; the words after "of" are kept as written. "pair of" is one
+too ("two pairs of red socks": pair of socks x2, colour red: an attribute after "of" is the
+pair's). "made of" + a material word after the noun, or in a predication ("the gate is made of
+iron"), is the material attribute, as written. A vocabulary word is the noun
 only when nothing follows it and it can be one ("an orange", "a glass"). Any other word is an
 error naming it and, where it can tell, the construct (a verb such as "chasing", a nested clause,
 an unsupported relation such as "between", an "of" phrase after anything but a container or
@@ -78,6 +86,7 @@ from cast_core.csg_vocab import (
     CLAUSE_WORDS,
     COLOR_MODIFIERS,
     COMPOUND_NOUNS,
+    MATERIAL_SUBSTANCE,
     OF_HEADS,
     RELATION_PHRASES,
     UNSUPPORTED_RELATIONS,
@@ -108,6 +117,8 @@ __all__ = [
 
 PREFIX = "a photo of "
 PREFIXES: tuple[str, ...] = (PREFIX, "an image of ", "a picture of ")
+# Said before the first noun phrase and dropped: "there is a cat on a mat" is "a cat on a mat".
+THERE_PREFIXES: tuple[str, ...] = ("there is ", "there are ")
 MAX_PROMPT_CHARS = 400
 COLOR_WORDS: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "purple", "pink",
                                 "brown", "black", "white", "gray", "grey")
@@ -118,6 +129,9 @@ _NOT_NOUN_WORDS = frozenset(COUNT_WORDS) | frozenset(NUMBER_NAMES) | frozenset({
     "behind", "under", "over", "beside", "front", "left", "right", "above", "below"})
 _RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "side"})
 _WORD = re.compile(r"[a-z][a-z'-]*")
+# What may follow "made of": a material word or the substance it names ("made of wood", "made of
+# gold"); the value is kept as written.
+_MATERIAL_WORDS = frozenset(MATERIAL_SUBSTANCE) | frozenset(MATERIAL_SUBSTANCE.values())
 _LLM = "use the LLM builder (builder.kind = 'llm-chat' or 'llm-local') for prompts like this"
 
 
@@ -157,6 +171,7 @@ def parse_prompt(prompt: str, tag: str | None = None,
                                          f"limit of {MAX_PROMPT_CHARS}; shorten it or {_LLM}")
     listed = None if nouns is None else frozenset(nouns)
     body = next((prompt[len(p):] for p in PREFIXES if prompt.startswith(p)), prompt)
+    body = next((body[len(p):] for p in THERE_PREFIXES if body.startswith(p)), body)
     try:
         statements = split_statements(body)
     except ValueError as err:
@@ -196,10 +211,13 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     if not local and all(span[:1] == ["the"] for span in spans):
         raise _fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
                             "noun phrases written before it and says nothing about them")
-    for i, _, j in local:
+    for i, relation, j in local:
         if index[i] == index[j]:
             raise _fail(prompt, f"it relates {' '.join(spans[i])!r} to "
                                 f"{' '.join(spans[j])!r}, the same noun phrase")
+        if relation == "between" and phrases[index[j]].count < 2:
+            raise _fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
+                                f"lamp between two chairs'), not {' '.join(spans[j])!r}; {_LLM}")
     return [(index[i], relation, index[j]) for i, relation, j in local]
 
 
@@ -214,7 +232,12 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
         raise _fail(prompt, f"after {said!r} comes either attribute words ('the cup is red and "
                             f"shiny') or one relation ('the cup is next to a plate'); {_LLM}")
     words = spans[0][at + 1:] + [w for span in spans[1:] for w in span]
-    attributes = _attributes(words) if words else None
+    made = _made_of(words)
+    if made is not None:
+        rest = _attributes(made[0]) if made[0] else ()
+        attributes = None if rest is None else _merge(rest, made[1])
+    else:
+        attributes = _attributes(words) if words else None
     if attributes is None:
         construct = _construct([verb, *words])
         unknown = [w for w in words if w not in ATTRIBUTE_KIND and w not in COLOR_MODIFIERS]
@@ -268,11 +291,36 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
                  "(or 1..10)")
         raise _fail(prompt, f"{start}, not {words[0]!r}")
     count, rest = COUNT_WORDS[words[0]], words[1:]
+    made = _made_of(rest) if rest[-3:-1] == ["made", "of"] else None
+    rest = made[0] if made else rest
     _check_noun_words(rest, text, prompt, role)
     split = _split(rest, count, nouns)
     if split is None:
         raise _fail(prompt, _no_split_reason(rest, text, nouns, count))
-    return NounPhrase(split[0], count, split[1])
+    attributes = _merge(split[1], made[1]) if made else split[1]
+    if attributes is None:
+        raise _fail(prompt, f"noun phrase {text!r} gives its material twice (before the noun and "
+                            f"after 'made of'); one value per kind ({_LLM})")
+    return NounPhrase(split[0], count, attributes)
+
+
+def _made_of(words: list[str]) -> tuple[list[str], tuple[tuple[str, str], ...]] | None:
+    """The words without the "made of MATERIAL" among them, and that material attribute ("a vase
+    made of glass", "the gate is made of iron"); None when there is none."""
+    for i in range(len(words) - 2):
+        if words[i:i + 2] == ["made", "of"] and words[i + 2] in _MATERIAL_WORDS:
+            return words[:i] + words[i + 3:], (("material", words[i + 2]),)
+    return None
+
+
+def _merge(first: tuple[tuple[str, str], ...],
+           second: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...] | None:
+    """Both attribute tuples in kind order; None when they share a kind."""
+    found = dict(first)
+    if any(kind in found for kind, _ in second):
+        return None
+    found.update(second)
+    return tuple((k, found[k]) for k in ATTRIBUTE_KINDS if k in found)
 
 
 def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> None:
@@ -322,10 +370,27 @@ def _split_of(rest: list[str], at: int, count: int,
     word is among them."""
     head = singularize(rest[at - 1]) if count > 1 else rest[at - 1]
     attributes = _attributes(rest[:at - 1])
+    if head == "pair" and attributes is not None:
+        return _split_pair(rest[at + 1:], attributes, nouns)
     if head not in OF_HEADS or attributes is None or not _inner_noun(rest[at + 1:]):
         return None
     noun = f"{head} of {' '.join(rest[at + 1:])}"
     return (noun, attributes) if nouns is None or noun in nouns else None
+
+
+def _split_pair(inner: list[str], before: tuple[tuple[str, str], ...],
+                nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """(noun, attributes) of "[attributes] pair of [attributes] NOUNS": one noun "pair of boots"
+    whose head takes the number ("two pairs of socks": pair of socks x2), as the held-out lists
+    write it; an attribute on either side of "of" is the pair's ("a pair of red boots")."""
+    for j in range(len(inner)):
+        attributes = _attributes(inner[:j])
+        if attributes is not None and _inner_noun(inner[j:]):
+            merged = _merge(before, attributes)
+            noun = f"pair of {' '.join(inner[j:])}"
+            ok = merged is not None and (nouns is None or noun in nouns)
+            return (noun, merged) if ok else None
+    return None
 
 
 def _inner_noun(words: list[str]) -> bool:
@@ -447,8 +512,9 @@ def _of_reason(rest: list[str], at: int, text: str, nouns: frozenset[str] | None
     head, inner = rest[at - 1], rest[at + 1:]
     single = singularize(head) if count > 1 else head
     if single == "pair" or head == "pair":
-        return (f"{text!r} has 'pair of', which reads either as one object ('a pair of skis') or "
-                f"as two ('two skis'), and the offline parser does not choose; {_LLM}")
+        return (f"{text!r} has 'pair of', which the offline parser reads only as '[attributes] "
+                f"pair of [attributes] NOUNS' with one noun after the attributes ('a pair of red "
+                f"boots'), each attribute kind once; {_LLM}")
     if single not in OF_HEADS:
         return (f"{head!r} in {text!r} does not agree with its count {count} before 'of'; "
                 f"{_LLM}")

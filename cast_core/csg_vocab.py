@@ -10,7 +10,8 @@ them apart (`ATTRIBUTE_COMPOUND_NOUNS`) so that they read as one noun, never as 
 
 Relation phrases map the forms people write to one canonical relation each ("under" and
 "beneath" are "below", "over" is "above", "beside" is "next to", "near" is "close to", "to the
-left of" is "left of", "inside" is "in"); "around" is a relation of its own. Posture verbs
+left of" is "left of", "inside" is "in"); "around", "against" and "between" (of one noun phrase of two or more:
+"between two armchairs") are relations of their own. Posture verbs
 ("sitting", "parked", ...) are read only right before a relation form, which they leave as it is
 ("a cat sitting on a chair": on); "of" heads are the containers and quantities that make an "of"
 phrase one noun ("a cup of tea", "two loaves of bread"). Plurals: rules plus a small irregular
@@ -63,6 +64,7 @@ RELATION_PHRASES = MappingProxyType({
     "next to": "next to", "beside": "next to",
     "near": "close to", "close to": "close to",
     "with": "with", "on": "on", "in": "in", "inside": "in", "around": "around",
+    "between": "between", "against": "against",
 })
 RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
     (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))
