@@ -232,11 +232,11 @@ class EvalPass:
     seed_offset: int
 
 
-def eval_passes(size: Size, held_out: dict[str, str]) -> dict[str, EvalPass]:
+def eval_passes(size: Size, held_out: dict[str, str], pool: str = POOL) -> dict[str, EvalPass]:
     """probe (every checkpoint) and the final evaluation's pool, hard and eval (one split each,
     named as the pass); `held_out` {"hard": file, "eval": file}."""
-    return {"probe": EvalPass("probe", {"probe": POOL}, size.probe_images, PROBE_OFFSET),
-            "pool": EvalPass("pool", {"pool": POOL}, size.pool_images, FINAL_OFFSET),
+    return {"probe": EvalPass("probe", {"probe": pool}, size.probe_images, PROBE_OFFSET),
+            "pool": EvalPass("pool", {"pool": pool}, size.pool_images, FINAL_OFFSET),
             "hard": EvalPass("hard", {"hard": held_out["hard"]}, size.hard_images, PROBE_OFFSET),
             "eval": EvalPass("eval", {"eval": held_out["eval"]}, size.eval_images, PROBE_OFFSET)}
 
@@ -316,6 +316,18 @@ def run_name(prefix: str, arm: str, seed: int) -> str:
     return f"{prefix}-{arm}-s{seed}"
 
 
+def pool_file(store, prompts: int | None) -> str:
+    """The training pool: POOL, or with `prompts` its first that many records, stored as a blob
+    (a pool small enough to visit every prompt every iteration)."""
+    if prompts is None:
+        return POOL
+    lines = [x for x in Path(POOL).read_text().splitlines() if x.strip()]
+    if not 1 <= prompts <= len(lines):
+        raise ValueError(f"--pool-prompts must be in [1, {len(lines)}] ({POOL}); got {prompts}")
+    blob = store.put_blob("".join(x + "\n" for x in lines[:prompts]).encode(), "jsonl")
+    return str(store.resolve(blob.path))
+
+
 def held_out_files(store, size: Size) -> dict[str, str]:
     """{"hard": file, "eval": file}: the files themselves, or with `held_out_prompts` an evenly
     spaced subset of each (the files are grouped by tag), stored as blobs."""
@@ -333,10 +345,10 @@ def held_out_files(store, size: Size) -> dict[str, str]:
 
 
 def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
-               lr: float | None = None, guidance: float | None = None):
+               lr: float | None = None, guidance: float | None = None, pool: str = POOL):
     """The arm's training recipe at this size and seed, run `name`, on the pool with "cycle"
     (`lr`, when given, replaces the learning rate; `guidance` the CFG scale of the rollouts and
-    of every evaluation)."""
+    of every evaluation; `pool` another training pool file)."""
     from tasks.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
@@ -344,7 +356,7 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
              "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance}
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
-        "run.name": name, "run.seed": seed, "prompts.train": POOL, "prompts.selection": "cycle"})
+        "run.name": name, "run.seed": seed, "prompts.train": pool, "prompts.selection": "cycle"})
 
 
 def check_equal_budget(recipes: list) -> None:
@@ -766,7 +778,8 @@ def summarise_recast(res: Results, sm: Summary, prefix: str, size: Size) -> Reca
 def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, prefix: str,
                   threads: int | None = None, command: str = "", suite: str = "main",
                   lr: float | None = None, only: list[str] | None = None,
-                  quick: bool = False, guidance: float | None = None) -> dict:
+                  quick: bool = False, guidance: float | None = None,
+                  pool_prompts: int | None = None) -> dict:
     """Train every arm x seed with its probes, evaluate finals and base, summarise from the
     store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
     "wall_s"}."""
@@ -778,15 +791,16 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     start, store = time.perf_counter(), Store(store_dir)
     arm_defs, seeds = select_arms(suite, only), list(range(size.seeds))
     names = [a.name for a in arm_defs]
+    pool = pool_file(store, pool_prompts)
     recipes = {(a.name, x): recipe_for(a, x, size, run_name(prefix, a.name, x), threads, lr,
-                                       guidance)
+                                       guidance, pool)
                for a in arm_defs for x in seeds}
-    pool_size = len(load_prompts(recipes[(BASELINE, 0)], POOL))
+    pool_size = len(load_prompts(recipes[(BASELINE, 0)], pool))
     if size.per_iteration > pool_size:
         raise ValueError(f"per_iteration {size.per_iteration} exceeds the pool's {pool_size} "
-                         f"prompts ({POOL}); set --per-iteration <= {pool_size}")
-    passes = eval_passes(size, held_out_files(store, size))
-    base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr, guidance)
+                         f"prompts ({pool}); set --per-iteration <= {pool_size}")
+    passes = eval_passes(size, held_out_files(store, size), pool)
+    base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr, guidance, pool)
     for x in seeds:
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
     check_paired_evals([base, *recipes.values()], passes)
@@ -840,6 +854,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (run.threads)")
     parser.add_argument("--lr", type=float, default=None,
                         help="replace every arm's learning rate (a probe: use its own --store)")
+    parser.add_argument("--pool-prompts", type=int, default=None,
+                        help="train (and probe) on the pool's first N prompts only (a set small "
+                             "enough to overfit; use its own --store)")
     parser.add_argument("--guidance", type=float, default=None,
                         help="CFG scale of every arm's rollouts and of every evaluation (1: a "
                              "CFG-free policy, trained and judged without guidance; see "
@@ -868,7 +885,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                else argv)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
                   command.strip(), args.suite, args.lr, only, quick=args.quick,
-                  guidance=args.guidance)
+                  guidance=args.guidance, pool_prompts=args.pool_prompts)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def main() -> None:
     snr = snr_rows(read(d / "grad-snr.jsonl"))
     lines = ["<!-- written by benchmarks/probe_figures.py from the JSONL rows beside it -->", ""]
     lines += learning_table("One prompt (a photo of a blue square)", one)
-    lines += learning_table("Pool (32 hard prompts, 8 an iteration x 16)", pool)
+    lines += learning_table("Pool (32 hard prompts, 8 an iteration x 16; `pool8-` arms: its "
+                            "first 8, all 8 every iteration)", pool)
     title = "### Gradient signal-to-noise (mean pairwise cosine of independent batch gradients)"
     header = "| estimator | batch | pairs | cosine [+-1.96 SE] | per-sample SNR | s a batch |"
     lines += [title, "", header, "|---|---|---|---|---|---|"]

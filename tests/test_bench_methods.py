@@ -438,3 +438,18 @@ def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
                            0, bm.QUICK, "t-loud", 1)
     with pytest.raises(ValueError, match="noise_level"):
         bm.check_equal_budget([recipes[0], louder])
+
+
+def test_pool_file_takes_the_pools_first_prompts(tmp_path):
+    from tasks.store import Store
+
+    store = Store(tmp_path / "store")
+    assert bm.pool_file(store, None) == bm.POOL
+    lines = [x for x in Path(bm.POOL).read_text().splitlines() if x.strip()]
+    small = bm.pool_file(store, 3)
+    assert Path(small).read_text().splitlines() == lines[:3]
+    recipe = bm.recipe_for(bm.arms()[0], 0, bm.QUICK, "t-small", 1, pool=small)
+    assert recipe.prompts.train == small
+    for bad in (0, len(lines) + 1):
+        with pytest.raises(ValueError, match="--pool-prompts"):
+            bm.pool_file(store, bad)
