@@ -321,10 +321,20 @@ def pool_file(store, prompts: int | None) -> str:
     (a pool small enough to visit every prompt every iteration)."""
     if prompts is None:
         return POOL
-    lines = [x for x in Path(POOL).read_text().splitlines() if x.strip()]
+    lines = _records(POOL)
     if not 1 <= prompts <= len(lines):
         raise ValueError(f"--pool-prompts must be in [1, {len(lines)}] ({POOL}); got {prompts}")
-    blob = store.put_blob("".join(x + "\n" for x in lines[:prompts]).encode(), "jsonl")
+    return _subset_blob(store, lines, range(prompts))
+
+
+def _records(path: str) -> list[str]:
+    """The non-empty lines of a JSONL prompt file."""
+    return [x for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def _subset_blob(store, lines: list[str], keep) -> str:
+    """The lines at indices `keep` stored as a JSONL blob; its resolved path."""
+    blob = store.put_blob("".join(lines[i] + "\n" for i in keep).encode(), "jsonl")
     return str(store.resolve(blob.path))
 
 
@@ -336,11 +346,10 @@ def held_out_files(store, size: Size) -> dict[str, str]:
         return files
     out = {}
     for split, path in files.items():
-        lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+        lines = _records(path)
         keep = np.unique(np.linspace(0, len(lines) - 1, min(size.held_out_prompts, len(lines)))
                          .round().astype(int))
-        blob = store.put_blob("".join(lines[i] + "\n" for i in keep).encode(), "jsonl")
-        out[split] = str(store.resolve(blob.path))
+        out[split] = _subset_blob(store, lines, keep)
     return out
 
 
