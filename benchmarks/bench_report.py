@@ -196,6 +196,31 @@ def gains_table(sm: Summary) -> str:
                   f"gain - {BASELINE} [95% t]", f"gain / {BASELINE} [95% bootstrap]"], rows)
 
 
+def type_gains(res: Results, sm: Summary, prefix: str, last: int) -> dict:
+    """{(arm, split, atom type): (base, Interval over seeds of final - base)} of the mean atom
+    score of each type (the evaluate stage's `atom_type` rows; same prompts and noise as the base,
+    so paired). Types a split lacks are left out."""
+    out = {}
+    for a in sm.arms:
+        for s in FINAL_SPLITS:
+            for t in ATOM_TYPES:
+                base = res.type_evals.get((f"{prefix}-base", -1, s, t))
+                finals = [res.type_evals.get((run_name(prefix, a, x), last, s, t)) for x in sm.seeds]
+                if base is None or any(v is None for v in finals):
+                    continue
+                out[(a, s, t)] = (base, t_interval([v - base for v in finals]))
+    return out
+
+
+def type_gain_table(res: Results, sm: Summary, prefix: str, last: int) -> str:
+    found = type_gains(res, sm, prefix, last)
+    types = [t for t in ATOM_TYPES if any(k[2] == t for k in found)]
+    rows = [[a, s, *(f"{fmt(found[(a, s, t)][0])} {interval_cell(found[(a, s, t)][1])}"
+                     if (a, s, t) in found else "–" for t in types)]
+            for a in sm.arms for s in FINAL_SPLITS]
+    return table(["arm", "split", *(f"{t}: base, gain [95% t]" for t in types)], rows)
+
+
 def checkpoint_table(sm: Summary) -> str:
     labels = ["base", *(f"{a} s{x}" for a in sm.arms for x in sm.seeds)]
     rows = []
@@ -502,6 +527,9 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
           "## Gains over the base model (final evaluation)", "", STATISTICS_TEXT, "",
           gains_table(sm), "", "![gains](gains.png)", "",
           "Per seed, with a paired bootstrap over prompts:", "", seed_gain_table(sm), "",
+          "Where the gain comes from: the mean atom score of each atom type, base and final - "
+          "base per seed, mean over seeds [95% t] (a type that falls while the mean rises is "
+          "traded for the others):", "", type_gain_table(res, sm, prefix, last), "",
           "## Checkpoints", "", CHECKPOINT_TEXT, "", checkpoint_table(sm), "",
           "## Learning curves (probe)", "",
           CURVES_TEXT, "", curve_table(sm), "",

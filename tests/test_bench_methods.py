@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -301,6 +302,27 @@ def replace_seeds(size: bm.Size, seeds: int) -> bm.Size:
 
 def _setup(quick=False, skipped=0, wall_s=600.0):
     return {"quick": quick, "skipped": skipped, "wall_s": wall_s}
+
+
+def test_type_gains_are_paired_per_seed_and_skip_missing_types():
+    curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 2}
+    res = _results(SMALL, curves, {"flowgrpo": [0.1, 0.1]})
+    sm = bm.summarise(res, ["flowgrpo"], [0, 1], "t", SMALL)
+    last = SMALL.iterations - 1
+    types = {("t-base", -1, "hard", "count"): 0.4, ("t-base", -1, "hard", "object"): 0.8}
+    types |= {(bm.run_name("t", "flowgrpo", x), last, "hard", "count"): 0.4 - 0.1 * (x + 1)
+              for x in (0, 1)}
+    types |= {(bm.run_name("t", "flowgrpo", x), last, "hard", "object"): 0.9 for x in (0, 1)}
+    res = replace(res, type_evals=types)
+    found = br.type_gains(res, sm, "t", last)
+    assert set(found) == {("flowgrpo", "hard", "count"), ("flowgrpo", "hard", "object")}
+    base, gain = found[("flowgrpo", "hard", "count")]
+    assert base == pytest.approx(0.4) and gain.mean == pytest.approx(-0.15)
+    assert gain.low < -0.15 < gain.high
+    assert found[("flowgrpo", "hard", "object")][1].mean == pytest.approx(0.1)
+    text = br.type_gain_table(res, sm, "t", last)
+    assert "count: base, gain" in text and "attribute" not in text
+    assert "-0.150" in text
 
 
 def test_figures_json_entries_and_met_logic():
