@@ -439,6 +439,29 @@ def train_run(store, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
     return refs
 
 
+def _train_run_in_worker(store_dir: str, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
+    """`train_run` in a worker process: its own Store on the same root (every write is atomic and
+    the catalog rebuild is locked, so runs of different names may write side by side)."""
+    from tasks.store import Store
+
+    return train_run(Store(store_dir), recipe, size, passes)
+
+
+def train_runs(store, runs: list, size: Size, passes: dict[str, EvalPass],
+               jobs: int = 1) -> dict:
+    """`train_run` for each recipe of `runs` -> {run name: refs}; with jobs > 1, that many runs at
+    a time in spawned worker processes (each with the recipe's own torch threads)."""
+    if jobs <= 1:
+        return {r.run.name: train_run(store, r, size, passes) for r in runs}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {r.run.name: pool.submit(_train_run_in_worker, str(store.root), r, size, passes)
+                   for r in runs}
+        return {name: f.result() for name, f in futures.items()}
+
+
 def evaluate_base(store, recipe, passes: dict[str, EvalPass]) -> dict:
     """Every pass on the base model (iteration -1) -> {(-1, "eval:<pass>"): StageRef}."""
     from tasks.evaluate_checkpoint import evaluate_checkpoint
@@ -788,7 +811,7 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
                   threads: int | None = None, command: str = "", suite: str = "main",
                   lr: float | None = None, only: list[str] | None = None,
                   quick: bool = False, guidance: float | None = None,
-                  pool_prompts: int | None = None) -> dict:
+                  pool_prompts: int | None = None, jobs: int = 1) -> dict:
     """Train every arm x seed with its probes, evaluate finals and base, summarise from the
     store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
     "wall_s"}."""
@@ -814,11 +837,9 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
     check_paired_evals([base, *recipes.values()], passes)
     refs = {base.run.name: evaluate_base(store, base, passes)}
-    for x in seeds:
-        for i in range(len(arm_defs)):
-            arm = arm_defs[(i + x) % len(arm_defs)]  # rotate the order per seed
-            recipe = recipes[(arm.name, x)]
-            refs[recipe.run.name] = train_run(store, recipe, size, passes)
+    order = [recipes[(arm_defs[(i + x) % len(arm_defs)].name, x)]  # rotate the order per seed
+             for x in seeds for i in range(len(arm_defs))]
+    refs |= train_runs(store, order, size, passes, jobs)
     last = size.iterations - 1
     outputs = {(base.run.name, -1, p): (base, passes[p]) for p in FINAL_SPLITS}
     outputs |= {(r.run.name, last, p): (r, passes[p]) for r in recipes.values()
@@ -861,6 +882,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", default=None,
                         help="comma-separated arm names of any suite (must include flowgrpo)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (run.threads)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="arm x seed runs trained at a time, each in its own process on the "
+                             "same store (2 on the 2-core machine with --threads 1)")
     parser.add_argument("--lr", type=float, default=None,
                         help="replace every arm's learning rate (a probe: use its own --store)")
     parser.add_argument("--pool-prompts", type=int, default=None,
@@ -877,6 +901,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0; got {args.lr}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1; got {args.jobs}")
     if args.guidance is not None and not args.guidance >= 1.0:
         parser.error(f"--guidance must be >= 1 (1 is no guidance); got {args.guidance}")
     size = _size_from_args(args)
@@ -894,7 +920,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                else argv)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
                   command.strip(), args.suite, args.lr, only, quick=args.quick,
-                  guidance=args.guidance, pool_prompts=args.pool_prompts)
+                  guidance=args.guidance, pool_prompts=args.pool_prompts, jobs=args.jobs)
 
 
 if __name__ == "__main__":

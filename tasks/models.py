@@ -186,7 +186,7 @@ def scorer(recipe: Recipe) -> tuple[str, Scorer]:
         def score(images: torch.Tensor, graphs: list[SceneGraph]):
             return [(r.scores, r.heatmaps) for r in verify(images, graphs, config)]
 
-        return f"shapes-verifier-v1({config})", score
+        return f"shapes-verifier-v2({config})", score
     if s.kind == "soft-tifa":
         from cast_core.scorers.soft_tifa import SoftTifaScorer
 
@@ -207,7 +207,7 @@ def scorer_id(recipe: Recipe) -> str:
     if s.kind == "shapes-verifier":
         from cast_core.shapes.verifier import VerifierConfig
 
-        return f"shapes-verifier-v1({VerifierConfig()})"
+        return f"shapes-verifier-v2({VerifierConfig()})"
     if s.kind == "soft-tifa":
         return f"soft-tifa-v1({model_identity(s.path)}, {_soft_tifa_config(recipe)})"
     if s.kind == "remote":

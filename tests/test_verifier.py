@@ -143,3 +143,51 @@ def test_scores_degrade_smoothly_under_blur_and_noise():
 
 def test_kind_order_matches_world():
     assert KINDS[:3] == SHAPES
+
+
+def _painted(bars: list[tuple[int, int, int, int]], color: str = "yellow") -> torch.Tensor:
+    """One image [1, 3, 32, 32] in [0, 1]: background with filled boxes (y0, x0, h, w)."""
+    from cast_core.shapes.world import BACKGROUND_RGB, PALETTE_RGB
+
+    image = np.empty((32, 32, 3), dtype=np.float32)
+    image[:] = np.array(BACKGROUND_RGB) / 255.0
+    for y0, x0, h, w in bars:
+        image[y0:y0 + h, x0:x0 + w] = np.array(PALETTE_RGB[color]) / 255.0
+    return torch.from_numpy(image).permute(2, 0, 1)[None]
+
+
+@pytest.mark.parametrize("bars, what", [
+    ([(2 + 3 * k, 4, 1, 12) for k in range(8)], "rows of 1-px horizontal bars"),
+    ([(3 + 4 * k, 6, 2, 9) for k in range(6)], "rows of 2-px horizontal bars"),
+    ([(4, 2 + 3 * k, 14, 1) for k in range(8)], "columns of 1-px vertical bars"),
+    ([(3 + 4 * i, 3 + 4 * j, 2, 2) for i in range(6) for j in range(6)], "a field of 2 x 2 specks"),
+    ([(2 + 5 * i, 2 + 5 * j, 3, 3) for i in range(6) for j in range(6)], "a field of 3 x 3 specks"),
+    ([(4, 4, 6, 12), (16, 4, 7, 14)], "2:1 blocks"),
+])
+def test_bars_specks_and_long_blocks_are_no_shapes(bars, what):
+    """What RL policies drew to raise their scores before the aspect and short-side gates (rows of
+    bars and specks had the fill and corners of a perfect square): none of it is a shape, so a
+    square's object, count and colour atoms stay false (a test that fails without the gates)."""
+    images = _painted(bars)
+    inst = detect(images)[0]
+    assert len(inst.masks) == len(bars), what
+    assert inst.kind_probs[:, KINDS.index("other")].min() > 0.95, what
+    graph = parse_prompt("a photo of two yellow squares")
+    result = verify(images, [graph])[0]
+    assert result.scores.max() <= 0.05, (what, dict(zip([a.id for a in graph.atoms()],
+                                                        result.scores.round(3))))
+
+
+def test_gates_leave_every_rendered_shape_untouched():
+    """The aspect and short-side gates sit at the renderer's own limits: every kind at every extent
+    it draws, at every sub-pixel phase of its box, scores as it would without them."""
+    from cast_core.shapes.render import shape_mask
+    from cast_core.shapes.verifier import _MIN_ASPECT, _MIN_SIDE, _kind_probs, _shape_features
+
+    for kind in SHAPES:
+        for extent in range(4, 19):
+            for x0, y0 in ((4, 4), (5, 6), (7, 5)):
+                features, _ = _shape_features(shape_mask(kind, x0, y0, extent))
+                side = _MIN_SIDE[SHAPES.index(kind)]
+                assert features[4] >= _MIN_ASPECT and features[5] >= side, (kind, extent)
+                assert _kind_probs(features[None])[0, KINDS.index(kind)] > 0.99, (kind, extent)

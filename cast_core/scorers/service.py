@@ -81,7 +81,7 @@ def _shapes_verifier(args: ScorerArgs) -> LoadedScorer:
     def score(images: torch.Tensor, graphs):
         return [(s.scores, s.heatmaps) for s in verify(images, graphs, config)]
 
-    return LoadedScorer(f"shapes-verifier-v1({config})", score)
+    return LoadedScorer(f"shapes-verifier-v2({config})", score)
 
 
 def _soft_tifa(args: ScorerArgs) -> LoadedScorer:

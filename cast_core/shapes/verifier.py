@@ -8,6 +8,13 @@ Detection. A pixel is foreground when its RGB distance to the background colour 
   with a per-kind prototype in units of its spread (a diagonal-Gaussian score): bounding-box fill
   ratio, top-corner and bottom-corner occupancy, and top-half / bottom-half mass. "other" has a flat
   score, so blobs unlike every prototype are no shape at all;
+- two one-sided gates from the renderer's own limits: the bounding box's aspect (short side / long
+  side; renders are >= 0.75, the 4-px triangle's 3 x 4 box) and its short side (renders are >= 4
+  px for circles and squares, >= 3 px for triangles). Below a limit, the deficit in units of its spread joins every
+  kind's score; at or above it, nothing changes (renders score exactly as without the gates).
+  Without them a bar of 1 x 8 pixels, or a 2 x 2 speck, has the fill and corners of a perfect
+  square: RL policies found that (rows of horizontal stripes and specks read as squares) and
+  raised their scores by drawing them;
 - its bounding-box centre.
 Prototypes were read off exact renders of every extent the renderer draws (4-12 px).
 
@@ -46,6 +53,14 @@ _PROTOTYPES = np.array([
 ])
 _SPREAD = np.array([0.07, 0.20, 0.20, 0.15])
 _OTHER_SCORE = -8.0  # a blob 4 spreads from every prototype is equally likely "other"
+# one-sided gates: (lower limit on renders, spread); the short side's limit is per kind (circles
+# and squares are >= 4 px, the 4-px triangle's box is 3 x 4). A 3 x 3 speck is 6.7 spreads below
+# a square's short-side limit (a 2-px one 6.7 below a triangle's, a 1-px bar 13 or more), a 2:1
+# block like 6 x 12 6.25 spreads below the aspect limit: each alone puts a kind's score 11 nats or
+# more under "other"'s flat one (-0.5 x 6.25^2 = -19.5 against -8), so even dozens of specks add
+# up to no shape (the object atom's noisy-or)
+_MIN_ASPECT, _ASPECT_SPREAD = 0.75, 0.04
+_MIN_SIDE, _SIDE_SPREAD = np.array([4.0, 4.0, 3.0]), 0.15  # circle, square, triangle
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,8 @@ def _components(fg: torch.Tensor) -> torch.Tensor:
 
 
 def _shape_features(mask: np.ndarray) -> tuple[np.ndarray, tuple[float, float]]:
-    """Features (fill, top corners, bottom corners, top/bottom mass) and bbox centre of a mask."""
+    """Features (fill, top corners, bottom corners, top/bottom mass, aspect = short / long side,
+    short side in px) and bbox centre of a mask."""
     ys, xs = np.nonzero(mask)
     y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
     box = mask[y0:y1, x0:x1].astype(np.float64)
@@ -100,13 +116,16 @@ def _shape_features(mask: np.ndarray) -> tuple[np.ndarray, tuple[float, float]]:
     bottom = (box[-c:, :c].mean() + box[-c:, -c:].mean()) / 2
     half = h // 2
     ratio = box[:half].sum() / max(box[h - half:].sum(), 1.0) if half else 1.0
-    return np.array([box.mean(), top, bottom, ratio]), ((x0 + x1) / 2.0, (y0 + y1) / 2.0)
+    return (np.array([box.mean(), top, bottom, ratio, min(h, w) / max(h, w), min(h, w)]),
+            ((x0 + x1) / 2.0, (y0 + y1) / 2.0))
 
 
 def _kind_probs(features: np.ndarray) -> np.ndarray:
-    """[n, 4] features -> [n, 4] probabilities over KINDS."""
-    z = (features[:, None, :] - _PROTOTYPES[None]) / _SPREAD  # [n, 3, 4]
-    logits = np.concatenate([-0.5 * (z ** 2).sum(-1),
+    """[n, 6] features -> [n, 4] probabilities over KINDS."""
+    z = (features[:, None, :4] - _PROTOTYPES[None]) / _SPREAD  # [n, 3, 4]
+    gate = ((np.maximum(0.0, _MIN_ASPECT - features[:, 4]) / _ASPECT_SPREAD) ** 2)[:, None] + (
+        np.maximum(0.0, _MIN_SIDE[None] - features[:, 5:6]) / _SIDE_SPREAD) ** 2  # [n, 3]
+    logits = np.concatenate([-0.5 * ((z ** 2).sum(-1) + gate),
                              np.full((len(features), 1), _OTHER_SCORE)], axis=1)
     logits -= logits.max(1, keepdims=True)
     p = np.exp(logits)
@@ -132,7 +151,7 @@ def detect(images: torch.Tensor, config: VerifierConfig = VerifierConfig()) -> l
         colors = [pixel_colors[i][m].mean(0) for m in masks]
         out.append(Instances(
             masks=masks,
-            kind_probs=_kind_probs(np.array(feats).reshape(-1, 4)),
+            kind_probs=_kind_probs(np.array(feats).reshape(-1, 6)),
             color_probs=np.array(colors, dtype=np.float64).reshape(-1, len(COLORS)),
             centers=np.array(centers, dtype=np.float64).reshape(-1, 2)))
     return out
