@@ -31,6 +31,11 @@ GOAL_POOL_GAIN, GOAL_HARD_GAIN, GOAL_RUN_MINUTES = 0.10, 0.03, 15.0
 GOAL_HARD_RATIO, GOAL_SAMPLES_RATIO = 3.0, 0.5
 GOAL_FULL_MINUTES, GOAL_QUICK_MINUTES = 90.0, 10.0
 GOAL_NFT_SAMPLES, GOAL_NFT_WALL = 0.2, 1 / 3  # nft-cast against flowgrpo, to flowgrpo's final
+# "No reward hacking unseen": the final images' high-frequency energy at most 1.25x the base's.
+# Rows of 1-px bars that the verifier read as squares (before its aspect and short-side gates)
+# doubled it (+94% on the pool, reports/cfg1-pool8-40it); a policy that draws cleaner shapes
+# than the base lowers it.
+GOAL_HF_CHANGE = 0.25
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -164,6 +169,31 @@ def figures(sm: Summary, setup: dict) -> list[dict]:
                 "this invocation, start to report")),
         *_nft_figures(sm),
     ]
+
+
+def hacking_figures(sm: Summary, res: Results, prefix: str, last: int) -> list[dict]:
+    """One entry per arm and split (pool, hard): the relative change of the final images' mean
+    high-frequency energy over the base's, final / base - 1 per seed (same prompts and noise),
+    mean with a 95% t-interval over seeds; met when the mean is <= GOAL_HF_CHANGE."""
+    out = []
+    for a in sm.arms:
+        for split in ("pool", "hard"):
+            base = res.evals.get((f"{prefix}-base", -1, split))
+            finals = [res.evals.get((run_name(prefix, a, x), last, split)) for x in sm.seeds]
+            name = f"{a} {split} hf energy change"
+            goal = f"<= +{GOAL_HF_CHANGE:g} (final / base - 1)"
+            if base is None or any(f is None for f in finals) or not base["hf_energy"] > 0:
+                out.append(_entry(name, None, None, None, goal, None, "relative change",
+                                  "no final or base evaluation of this split"))
+                continue
+            iv = t_interval([f["hf_energy"] / base["hf_energy"] - 1.0 for f in finals])
+            out.append(_entry(name, iv.mean, iv.low, iv.high, goal, iv.mean <= GOAL_HF_CHANGE,
+                              "relative change",
+                              f"mean high-frequency energy of the final images over the base's "
+                              f"({base['hf_energy']:.4f}), same prompts and noise; mean over "
+                              f"{len(sm.seeds)} seed(s), 95% t-interval over seeds (bars, specks "
+                              f"or noise that fool the verifier raise it)"))
+    return out
 
 
 def figures_text(entries: list[dict]) -> str:
@@ -509,7 +539,7 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
     from tasks.store import atomic_write_bytes
 
     store, prefix, last = setup["store"], setup["prefix"], setup["size"].iterations - 1
-    entries = figures(sm, setup)
+    entries = figures(sm, setup) + hacking_figures(sm, res, prefix, last)
     grid_lines, copies = _grids(sm, res, prefix, last)
     recast_lines = []
     if rs is not None:

@@ -375,6 +375,28 @@ def test_figures_json_entries_and_met_logic():
     assert "cast was not run" in entries["cast / flowgrpo hard gain ratio"]["about"]
 
 
+def test_hacking_figures_are_relative_hf_changes_over_seeds():
+    curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3,
+              "cast": [[0.5, 0.6, 0.7, 0.72, 0.75]] * 3}
+    res = _results(SMALL, curves, {"flowgrpo": [0.1] * 3, "cast": [0.1] * 3})
+    sm = bm.summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
+    last = SMALL.iterations - 1
+    busier = [0.2, 0.19, 0.21]  # base 0.1: +100%, +90%, +110% (bars read as shapes)
+    for x, hf in enumerate(busier):
+        res.evals[(bm.run_name("t", "flowgrpo", x), last, "pool")]["hf_energy"] = hf
+    entries = {e["name"]: e for e in br.hacking_figures(sm, res, "t", last)}
+    assert set(entries) == {f"{a} {s} hf energy change" for a in ("flowgrpo", "cast")
+                            for s in ("pool", "hard")}
+    hacked = entries["flowgrpo pool hf energy change"]
+    assert hacked["value"] == pytest.approx(1.0) and hacked["met"] is False
+    assert hacked["low"] < 1.0 < hacked["high"]
+    clean = entries["cast hard hf energy change"]
+    assert clean["value"] == pytest.approx(0.0) and clean["met"] is True
+    del res.evals[("t-base", -1, "hard")]
+    missing = {e["name"]: e for e in br.hacking_figures(sm, res, "t", last)}
+    assert missing["cast hard hf energy change"]["met"] is None
+
+
 def test_one_change_is_the_paired_seed_difference():
     curves = {a: [[0.5, 0.6, 0.6, 0.6, 0.6]] * 3 for a in ("flowgrpo", "flowgrpo-calibrated",
                                                              "cast")}
@@ -418,7 +440,9 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
                     "## ReCAST", "## Checkpoints"):
         assert section in report
     entries = json.loads((tmp_path / "report" / "figures.json").read_text())
-    assert len(entries) == 6 and entries[-1]["name"] == "full benchmark wall minutes"
+    assert len(entries) == 6 + 2 * len(arms)  # the targets, then hf energy per arm and split
+    assert entries[5]["name"] == "full benchmark wall minutes"
+    assert entries[-1]["name"] == "recast-skewed hard hf energy change"
     from tasks.store import Store
 
     con = Store(tmp_path / "store").connect_readonly()
