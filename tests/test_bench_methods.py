@@ -499,3 +499,30 @@ def test_pool_file_takes_the_pools_first_prompts(tmp_path):
     for bad in (0, len(lines) + 1):
         with pytest.raises(ValueError, match="--pool-prompts"):
             bm.pool_file(store, bad)
+
+
+def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch):
+    """The default protocol is the CFG-1, 8-prompt, lr-4e-4 one that reports/cfg1-pool8-40it-lr4e-4
+    ran; --quick keeps the recipes' settings; every flag overrides its field."""
+    seen = {}
+
+    def fake_run(size, store, report, prefix, threads, command, suite, lr, only, **kw):
+        seen.update(size=size, store=str(store), report=str(report), lr=lr, only=only, **kw)
+        return {}
+
+    monkeypatch.setattr(bm, "run_benchmark", fake_run)
+    bm.main([])
+    p = bm.PROTOCOLS["cfg1-pool8"]
+    assert seen["size"] == p.size and seen["size"].iterations == 40
+    assert (seen["guidance"], seen["pool_prompts"], seen["lr"]) == (1.0, 8, 4e-4)
+    assert seen["report"] == "reports/cfg1-pool8-40it-lr4e-4" and seen["jobs"] == 1
+    bm.main(["--quick"])
+    assert seen["size"] == bm.QUICK and seen["only"] == [bm.BASELINE]
+    assert (seen["guidance"], seen["pool_prompts"], seen["lr"]) == (None, None, None)
+    bm.main(["--protocol", "recipes"])
+    assert seen["size"] == bm.FULL and seen["report"] == "reports/cast-vs-flowgrpo"
+    bm.main(["--lr", "1e-3", "--guidance", "2", "--iterations", "5", "--jobs", "2"])
+    assert (seen["lr"], seen["guidance"], seen["pool_prompts"]) == (1e-3, 2.0, 8)
+    assert seen["size"].iterations == 5 and seen["size"].pool_images == 16 and seen["jobs"] == 2
+    with pytest.raises(SystemExit):
+        bm.main(["--protocol", "nope"])
