@@ -250,7 +250,7 @@ PROTOCOLS = {
     # the default since 2026-12-06: without guidance on 8 prompts the base is not at its ceiling
     # (reports/learning-probes section 6), and at lr 4e-4 Flow-GRPO gains on the pool and on the
     # held-out hard split in every seed with clean images, where at the recipes' 1e-3 it drifts
-    # below the base (section 7; reports/cfg1-pool8-40it-flowgrpo-lr4e-4)
+    # below the base (section 7; reports/cfg1-pool8-40it-lr4e-4)
     "cfg1-pool8": Protocol(
         Size(iterations=40, seeds=3, per_iteration=8, group_size=16, probe_images=8,
              pool_images=16, hard_images=2, eval_images=2, held_out_prompts=64),
