@@ -180,13 +180,14 @@ def scorer(recipe: Recipe) -> tuple[str, Scorer]:
     s = recipe.scorer
     if s.kind == "shapes-verifier":
         from cast_core.shapes.verifier import VerifierConfig, verify
+        from cast_core.shapes.verifier import scorer_id as verifier_id
 
         config = VerifierConfig()
 
         def score(images: torch.Tensor, graphs: list[SceneGraph]):
             return [(r.scores, r.heatmaps) for r in verify(images, graphs, config)]
 
-        return f"shapes-verifier-v2({config})", score
+        return verifier_id(config), score
     if s.kind == "soft-tifa":
         from cast_core.scorers.soft_tifa import SoftTifaScorer
 
@@ -205,9 +206,9 @@ def scorer_id(recipe: Recipe) -> str:
     """The scorer's identity without loading its model (a remote scorer is asked for its id)."""
     s = recipe.scorer
     if s.kind == "shapes-verifier":
-        from cast_core.shapes.verifier import VerifierConfig
+        from cast_core.shapes.verifier import scorer_id as verifier_id
 
-        return f"shapes-verifier-v2({VerifierConfig()})"
+        return verifier_id()
     if s.kind == "soft-tifa":
         return f"soft-tifa-v1({model_identity(s.path)}, {_soft_tifa_config(recipe)})"
     if s.kind == "remote":

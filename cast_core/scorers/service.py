@@ -72,7 +72,7 @@ class ScorerArgs:
 
 
 def _shapes_verifier(args: ScorerArgs) -> LoadedScorer:
-    from cast_core.shapes.verifier import VerifierConfig, verify
+    from cast_core.shapes.verifier import VerifierConfig, scorer_id, verify
 
     if args.model is not None:
         raise ValueError("shapes-verifier is exact and has no model; drop --model")
@@ -81,7 +81,7 @@ def _shapes_verifier(args: ScorerArgs) -> LoadedScorer:
     def score(images: torch.Tensor, graphs):
         return [(s.scores, s.heatmaps) for s in verify(images, graphs, config)]
 
-    return LoadedScorer(f"shapes-verifier-v2({config})", score)
+    return LoadedScorer(scorer_id(config), score)
 
 
 def _soft_tifa(args: ScorerArgs) -> LoadedScorer:

@@ -10,8 +10,9 @@ Detection. A pixel is foreground when its RGB distance to the background colour 
   score, so blobs unlike every prototype are no shape at all;
 - two one-sided gates from the renderer's own limits: the bounding box's aspect (short side / long
   side; renders are >= 0.75, the 4-px triangle's 3 x 4 box) and its short side (renders are >= 4
-  px for circles and squares, >= 3 px for triangles). Below a limit, the deficit in units of its spread joins every
-  kind's score; at or above it, nothing changes (renders score exactly as without the gates).
+  px for circles and squares, >= 3 px for triangles). Below a limit, the deficit in units of its
+  spread joins every kind's score; at or above it, nothing changes (renders score exactly as
+  without the gates).
   Without them a bar of 1 x 8 pixels, or a 2 x 2 speck, has the fill and corners of a perfect
   square: RL policies found that (rows of horizontal stripes and specks read as squares) and
   raised their scores by drawing them;
@@ -88,6 +89,16 @@ class VerifierConfig:
     min_area: int = 4
     color_temp: float = 0.02
     rel_temp: float = 1.0
+
+
+# the scorer's name in cache keys and `atom_scores` rows; bumped whenever the same image and
+# config score differently (v2: the aspect and short-side gates)
+VERSION = "shapes-verifier-v2"
+
+
+def scorer_id(config: VerifierConfig = VerifierConfig()) -> str:
+    """The verifier's identity for a cache key: VERSION with its config."""
+    return f"{VERSION}({config})"
 
 
 def _components(fg: torch.Tensor) -> torch.Tensor:
