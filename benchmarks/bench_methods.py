@@ -134,8 +134,9 @@ PROBE_OFFSET, FINAL_OFFSET = 0, 1000
 ITERATION_STAGES = ("rollout", "score_atoms", "compute_advantages", "train_epoch")
 RUN_STAGES = ("build_csgs", "calibrate_window")
 SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling")
-SAME_TRAIN = ("lr", "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch",
-              "micro_batch", "warmup_steps", "max_grad_norm", "weight_decay")
+SAME_TRAIN = ("lr", "kl_target_nats", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling",
+              "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch", "micro_batch",
+              "warmup_steps", "max_grad_norm", "weight_decay")
 SUITES = ("main", "ablations", "recast", "nft")
 # The SDE's exploration settings, equal across the SDE arms; the forward-process arms (NFT) sample
 # with the ODE from a fresh starting noise per sample instead.
@@ -234,8 +235,10 @@ QUICK = Size(iterations=6, seeds=1, per_iteration=8, group_size=16, probe_images
 class Protocol:
     """What a benchmark trains and judges on: its Size, the CFG scale of every rollout and
     evaluation (None: the recipes' 4), the pool's first N prompts (None: all 32), one learning
-    rate for every arm (None: the recipes' 1e-3), and where its store and report go by default.
-    The command line's flags override each field."""
+    rate for every arm (None: the recipes' 1e-3), and where its store and report go by default;
+    `kl_target`: every arm's `train.kl_target_nats` (None: a constant lr), so that each objective
+    moves the policy the same distance an iteration. The command line's flags override each
+    field."""
 
     size: Size
     guidance: float | None
@@ -244,6 +247,7 @@ class Protocol:
     store: str
     report: str
     about: str
+    kl_target: float | None = None
 
 
 PROTOCOLS = {
@@ -396,15 +400,18 @@ def held_out_files(store, size: Size) -> dict[str, str]:
 
 
 def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
-               lr: float | None = None, guidance: float | None = None, pool: str = POOL):
+               lr: float | None = None, guidance: float | None = None, pool: str = POOL,
+               kl_target: float | None = None):
     """The arm's training recipe at this size and seed, run `name`, on the pool with "cycle"
     (`lr`, when given, replaces the learning rate; `guidance` the CFG scale of the rollouts and
-    of every evaluation; `pool` another training pool file)."""
+    of every evaluation; `pool` another training pool file; `kl_target` sets
+    `train.kl_target_nats`)."""
     from tasks.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
              "window.calibration_prompts": size.calibration_prompts, "run.threads": threads,
-             "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance}
+             "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance,
+             "train.kl_target_nats": kl_target}
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
         "run.name": name, "run.seed": seed, "prompts.train": pool, "prompts.selection": "cycle"})
@@ -540,6 +547,7 @@ DIAGNOSTIC_COLUMNS = (("clip_fraction", "clip fraction", ".4f"), ("ratio_k3", "r
                       ("approx_kl", "approx KL (older name)", ".2e"),
                       ("policy_kl_nats", "policy KL (nats)", ".3g"),
                       ("update_kl_nats", "KL moved an iteration (nats)", ".3g"),
+                      ("iteration_lr", "lr (mean over iterations)", ".3g"),
                       ("ref_kl_nats", "ref KL (nats)", ".3g"),
                       ("ratio_std", "ratio std", ".4f"), ("grad_norm", "grad norm", ".4f"),
                       ("zero_variance_fraction", "zero-variance groups", ".3f"))
@@ -586,6 +594,11 @@ def _diagnostics(con, runs: list[str]) -> dict:
         for r in _rows(con, "SELECT run_id, avg(update_kl_nats) AS update_kl_nats FROM "
                        "checkpoints WHERE list_contains($runs, run_id) GROUP BY ALL", runs):
             out.setdefault(r["run_id"], {"steps": 0})["update_kl_nats"] = r["update_kl_nats"]
+    if "lr" in {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE checkpoints)")
+                .fetchall()}:  # the iteration's lr (KL-targeted or constant), checkpoints v4
+        for r in _rows(con, "SELECT run_id, avg(lr) AS iteration_lr FROM checkpoints WHERE "
+                       "list_contains($runs, run_id) GROUP BY ALL", runs):
+            out.setdefault(r["run_id"], {"steps": 0})["iteration_lr"] = r["iteration_lr"]
     return out
 
 
@@ -853,7 +866,8 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
                   threads: int | None = None, command: str = "", suite: str = "main",
                   lr: float | None = None, only: list[str] | None = None,
                   quick: bool = False, guidance: float | None = None,
-                  pool_prompts: int | None = None, jobs: int = 1) -> dict:
+                  pool_prompts: int | None = None, jobs: int = 1,
+                  kl_target: float | None = None) -> dict:
     """Train every arm x seed with its probes, evaluate finals and base, summarise from the
     store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
     "wall_s"}."""
@@ -867,14 +881,15 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     names = [a.name for a in arm_defs]
     pool = pool_file(store, pool_prompts)
     recipes = {(a.name, x): recipe_for(a, x, size, run_name(prefix, a.name, x), threads, lr,
-                                       guidance, pool)
+                                       guidance, pool, kl_target)
                for a in arm_defs for x in seeds}
     pool_size = len(load_prompts(recipes[(BASELINE, 0)], pool))
     if size.per_iteration > pool_size:
         raise ValueError(f"per_iteration {size.per_iteration} exceeds the pool's {pool_size} "
                          f"prompts ({pool}); set --per-iteration <= {pool_size}")
     passes = eval_passes(size, held_out_files(store, size), pool)
-    base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr, guidance, pool)
+    base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr, guidance, pool,
+                      kl_target)
     for x in seeds:
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
     check_paired_evals([base, *recipes.values()], passes)
@@ -909,7 +924,8 @@ def _protocol_from_args(args) -> Protocol:
     return replace(p, size=_size_from_args(args, QUICK if args.quick else p.size),
                    guidance=p.guidance if args.guidance is None else args.guidance,
                    pool_prompts=p.pool_prompts if args.pool_prompts is None else args.pool_prompts,
-                   lr=p.lr if args.lr is None else args.lr)
+                   lr=p.lr if args.lr is None else args.lr,
+                   kl_target=p.kl_target if args.kl_target is None else args.kl_target)
 
 
 def _size_from_args(args, size: Size) -> Size:
@@ -943,6 +959,10 @@ def main(argv: list[str] | None = None) -> None:
                              "same store (2 on the 2-core machine with --threads 1)")
     parser.add_argument("--lr", type=float, default=None,
                         help="replace every arm's learning rate (a probe: use its own --store)")
+    parser.add_argument("--kl-target", type=float, default=None,
+                        help="every arm's train.kl_target_nats: each iteration's lr set so that "
+                             "it moves the policy this many nats per sample and window step "
+                             "(--lr is then the first iteration's; use its own --store)")
     parser.add_argument("--pool-prompts", type=int, default=None,
                         help="train (and probe) on the pool's first N prompts only (a set small "
                              "enough to overfit; use its own --store)")
@@ -957,6 +977,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0; got {args.lr}")
+    if args.kl_target is not None and not args.kl_target > 0:
+        parser.error(f"--kl-target must be > 0 nats; got {args.kl_target}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1; got {args.jobs}")
     if args.guidance is not None and not args.guidance >= 1.0:
@@ -977,11 +999,13 @@ def main(argv: list[str] | None = None) -> None:
                                                                else argv)
     print(f"protocol: {protocol.about if args.protocol or not args.quick else 'quick'} -> "
           f"{size}, CFG {protocol.guidance or 'of the recipes'}, pool prompts "
-          f"{protocol.pool_prompts or 'all'}, lr {protocol.lr or 'of the recipes'}; store {store}, "
-          f"report {report}", flush=True)
+          f"{protocol.pool_prompts or 'all'}, lr {protocol.lr or 'of the recipes'}"
+          f"{f', KL target {protocol.kl_target:g} nats' if protocol.kl_target else ''}; store "
+          f"{store}, report {report}", flush=True)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
                   command.strip(), args.suite, protocol.lr, only, quick=args.quick,
-                  guidance=protocol.guidance, pool_prompts=protocol.pool_prompts, jobs=args.jobs)
+                  guidance=protocol.guidance, pool_prompts=protocol.pool_prompts, jobs=args.jobs,
+                  kl_target=protocol.kl_target)
 
 
 if __name__ == "__main__":

@@ -505,7 +505,7 @@ def _setup_lines(sm: Summary, res: Results, setup: dict) -> list[str]:
         f"{size.group_size} samples ({size.samples()[-1]} samples per run), cycling through the "
         f"pool (`{r0.prompts.train}`, `prompts.selection = \"cycle\"`), seeds {sm.seeds} "
         f"(run.seed), {r0.sampling.num_steps} sampling steps, CFG {r0.sampling.guidance_scale}, "
-        f"LoRA {r0.train.lora_rank}/{r0.train.lora_alpha}, lr {r0.train.lr}, "
+        f"LoRA {r0.train.lora_rank}/{r0.train.lora_alpha}, lr {r0.derived()['lr_schedule']}, "
         f"{getattr(r0.train, 'steps_per_epoch', '?')} optimizer step(s) per epoch. Probe after "
         f"every iteration: the pool x {passes['probe'].images} images, seed offset "
         f"{passes['probe'].seed_offset}. Final (last iteration and base): pool x "
@@ -557,9 +557,9 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
           "## Gains over the base model (final evaluation)", "", STATISTICS_TEXT, "",
           gains_table(sm), "", "![gains](gains.png)", "",
           "Per seed, with a paired bootstrap over prompts:", "", seed_gain_table(sm), "",
-          "Where the gain comes from: the mean atom score of each atom type, base and final - "
-          "base per seed, mean over seeds [95% t] (a type that falls while the mean rises is "
-          "traded for the others):", "", type_gain_table(res, sm, prefix, last), "",
+          ("Where the gain comes from: the mean atom score of each atom type, base and final - "
+           "base per seed, mean over seeds [95% t] (a type that falls while the mean rises is "
+           "traded for the others):"), "", type_gain_table(res, sm, prefix, last), "",
           "## Checkpoints", "", CHECKPOINT_TEXT, "", checkpoint_table(sm), "",
           "## Learning curves (probe)", "",
           CURVES_TEXT, "", curve_table(sm), "",

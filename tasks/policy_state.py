@@ -15,12 +15,16 @@ from tasks.store import Store
 @dataclass(frozen=True)
 class PolicyState:
     """policy_hash: sha256 of the LoRA blob (or 'base-<weights hash>'); lora_path /
-    optimizer_path: blobs relative to the store root, None at iteration 0."""
+    optimizer_path: blobs relative to the store root, None at iteration 0. lr and
+    update_kl_nats: the lr the previous iteration trained at and how far that moved the policy
+    (nats per sample and window step), None at iteration 0 or when its checkpoint lacks them."""
 
     iteration: int
     policy_hash: str
     lora_path: str | None
     optimizer_path: str | None
+    lr: float | None = None
+    update_kl_nats: float | None = None
 
 
 def policy_for(store: Store, recipe: Recipe, iteration: int) -> PolicyState:
@@ -35,4 +39,5 @@ def policy_for(store: Store, recipe: Recipe, iteration: int) -> PolicyState:
             f"run {recipe.run.name!r}: no checkpoint of iteration {previous} in {store.root}; "
             f"finish iteration {previous} first (run the flow without an explicit iteration)")
     row = rows[0]
-    return PolicyState(iteration, row["policy_hash"], row["lora_path"], row["optimizer_path"])
+    return PolicyState(iteration, row["policy_hash"], row["lora_path"], row["optimizer_path"],
+                       row["lr"], row["update_kl_nats"])

@@ -257,12 +257,24 @@ class TrainSection(_Section):
     what guidance adds, measured in reports/learning-probes section 6: supervised fine-tuning on
     exact renders through it took the CFG-4 probe from 0.614 to 0.468, the CFG-1 level, in 512
     renders; through the conditional velocity it stayed at 0.594-0.643). The old policy is the one that sampled the iteration (a hard update each
-    iteration)."""
+    iteration).
+
+    `kl_target_nats` (ours; None = the constant `lr`): a KL-targeted lr, so that every objective
+    moves the policy the same distance an iteration. Iteration 0 runs at `lr`; iteration k at the
+    previous iteration's lr times sqrt(kl_target_nats / its `update_kl_nats`) (a small move's KL
+    is quadratic in the lr), the factor clamped to [1 / kl_lr_factor, kl_lr_factor] and the lr to
+    [kl_lr_floor, kl_lr_ceiling] x lr (`cast_core.policy.kl_targeted_lr`; the warm-up multiplies it as usual).
+    Why: at a constant lr the objectives move different distances (Flow-GRPO 0.010 nats an
+    iteration at lr 4e-4 on the shapes pool; CAST's map more), and at lr 1e-3 Flow-GRPO's move
+    grew from 0.03-0.06 nats in its first 13 iterations to 0.1-0.6 after, where its images broke
+    (reports/learning-probes section 7). SDE objective only: the ODE rollouts of NFT have no
+    likelihood to measure the move with."""
 
     unpinned: ClassVar[tuple[str, ...]] = ("micro_batch",)
     hash_if_set: ClassVar[tuple[str, ...]] = (
         "objective", "nft_beta", "nft_t_min", "nft_t_max", "nft_a_max", "nft_adaptive_weight",
-        "nft_centre", "nft_guidance")
+        "nft_centre", "nft_guidance", "kl_target_nats", "kl_lr_factor", "kl_lr_floor",
+        "kl_lr_ceiling")
 
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
@@ -283,6 +295,14 @@ class TrainSection(_Section):
     nft_adaptive_weight: bool = True
     nft_centre: bool = True
     nft_guidance: Literal["sampler", "none"] = "none"
+    kl_target_nats: float | None = Field(
+        None, gt=0.0, description="per iteration: each iteration's lr set so that the update "
+        "moves the policy this far (KL per sample and window step, nats); None: constant lr")
+    kl_lr_factor: float = Field(2.0, gt=1.0, description="most the lr changes per iteration")
+    kl_lr_floor: float = Field(0.1, gt=0.0, le=1.0,
+                               description="the targeted lr stays >= this multiple of lr")
+    kl_lr_ceiling: float = Field(10.0, ge=1.0,
+                                 description="the targeted lr stays <= this multiple of lr")
 
     @model_validator(mode="after")
     def _t_range(self) -> TrainSection:
@@ -397,6 +417,10 @@ class Recipe(_Section):
             raise ValueError("recast.weighting with train.objective = 'nft' is not implemented "
                              "(per-step weights over the forward-noise t): set "
                              "recast.weighting = 'none' or train.objective = 'sde'")
+        if self.train.kl_target_nats is not None and self.train.objective == "nft":
+            raise ValueError("train.kl_target_nats sets the lr from the update's KL in nats, "
+                             "which needs the SDE's likelihoods; train.objective = 'nft' has none: "
+                             "drop kl_target_nats (use a constant train.lr)")
         if self.train.objective == "nft" and self.sampling.noise_block != 1:
             raise ValueError("train.objective = 'nft' credits latent positions, which block "
                              "noise's tile-grid maps do not give: set sampling.noise_block = 1")
@@ -424,6 +448,15 @@ class Recipe(_Section):
                 "atom": "CAST without maps (atom advantages, constant map)"}.get(
             kind, f"Flow-GRPO (scalar {reward} reward)")
 
+    def _lr_schedule(self) -> str:
+        tr = self.train
+        if tr.kl_target_nats is None:
+            return f"constant {tr.lr:g}"
+        lo, hi = tr.kl_lr_floor, tr.kl_lr_ceiling
+        return (f"KL-targeted: {tr.lr:g} at iteration 0, then x sqrt({tr.kl_target_nats:g} nats / "
+                f"the last update's KL) within x[1/{tr.kl_lr_factor:g}, {tr.kl_lr_factor:g}] an "
+                f"iteration and [{lo * tr.lr:g}, {hi * tr.lr:g}]")
+
     def derived(self) -> dict[str, Any]:
         """Quantities the pipeline derives from the recipe (printed at the start of a flow)."""
         b, g = self.prompts.per_iteration, self.prompts.group_size
@@ -438,6 +471,7 @@ class Recipe(_Section):
             "micro_batches_per_optimizer_step": -(-largest // self.train.micro_batch),
             "lr_warmup": (f"linear over the run's first {self.train.warmup_steps} optimizer steps"
                           if self.train.warmup_steps else "none"),
+            "lr_schedule": self._lr_schedule(),
             "algorithm": self._algorithm(),
             "window": (f"calibrated: {self.window.size} steps ending at the formation step"
                        if self.window.mode == "calibrated" else

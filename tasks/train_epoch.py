@@ -8,7 +8,9 @@ map on the spatial loss), runs `cast_core.policy.policy_update`
 `micro_batch` samples; clipped objective, optional KL to the adapter-free base, NaN/Inf guard that
 skips and records a bad step), with the lr of each optimizer step set by a linear warm-up over the
 first `warmup_steps` optimizer steps of the run (counted from the AdamW state's step, so across
-iterations; `cast_core.policy.linear_warmup_lr`). With `recast.weighting` "static" or "recast"
+iterations; `cast_core.policy.linear_warmup_lr`) applied to the iteration's lr (`iteration_lr`:
+`train.lr`, or with `train.kl_target_nats` the previous iteration's lr scaled by how far that
+iteration moved the policy, so that each iteration moves about the target). With `recast.weighting` "static" or "recast"
 the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
 weighted by `tasks.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
 stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
@@ -23,7 +25,7 @@ stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
   (`cast_core.diagnostics`): the norm of the LoRA change over this training, how far it moved
   the policy (`update_kl_nats`: KL(rollout policy || trained policy) per sample and window step
   in nats, replayed on up to 64 of the samples after the last step), the mean high-frequency
-  energy of the rollout images, and the constant-reward alarm.
+  energy of the rollout images, the constant-reward alarm, and the iteration's lr.
 Weights that came out non-finite (e.g. a huge lr: each step is finite until the weights are not)
 are never saved: the stage raises `NonFiniteWeights` (a `StageRefused`), which leaves a
 `stage_failures` row with each step's loss, lr and skip reason, writes no blob, table row or
@@ -62,6 +64,7 @@ from cast_core.nft_update import NftConfig, NftStep, nft_update
 from cast_core.policy import (
     PolicyConfig,
     UpdateStep,
+    kl_targeted_lr,
     linear_warmup_lr,
     policy_update,
     update_kl_nats,
@@ -77,7 +80,7 @@ from tasks.models import (
     optimizer_tensors,
     set_threads,
 )
-from tasks.policy_state import policy_for
+from tasks.policy_state import PolicyState, policy_for
 from tasks.recast_gains import reward_step_weights
 from tasks.recipe import Recipe
 from tasks.rollout_groups import rollout_spec
@@ -102,15 +105,27 @@ def _logger():
         return logging.getLogger("cast.train_epoch")
 
 
-def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None):
-    optimizer = torch.optim.AdamW(params, lr=recipe.train.lr,
-                                  weight_decay=recipe.train.weight_decay)
+def iteration_lr(recipe: Recipe, policy: PolicyState) -> float:
+    """The lr this iteration trains at before the warm-up's factor: `train.lr`, or with
+    `train.kl_target_nats` the previous iteration's lr scaled towards the KL target by how far it
+    moved the policy (`cast_core.policy.kl_targeted_lr`; `train.lr` at iteration 0, and for a
+    previous checkpoint written before checkpoints had an lr)."""
+    tr = recipe.train
+    if tr.kl_target_nats is None or policy.iteration == 0:
+        return tr.lr
+    return kl_targeted_lr(tr.lr if policy.lr is None else policy.lr, policy.update_kl_nats,
+                          tr.kl_target_nats, max_factor=tr.kl_lr_factor,
+                          lr_min=tr.kl_lr_floor * tr.lr, lr_max=tr.kl_lr_ceiling * tr.lr)
+
+
+def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None, lr: float):
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=recipe.train.weight_decay)
     if optimizer_path:
         with safe_open(str(store.resolve(optimizer_path)), framework="pt") as f:
             groups = f.metadata()["param_groups"]
         load_optimizer_state(optimizer, store.get_tensors(optimizer_path), groups)
         for group in optimizer.param_groups:
-            group["lr"] = recipe.train.lr
+            group["lr"] = lr
     return optimizer
 
 
@@ -234,7 +249,8 @@ def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef
     policy = policy_for(store, recipe, iteration)
     return make_key(STAGE, {"train": recipe.section_hash("train", "advantage", "sampling",
                                                          "recast"),
-                            "seed": recipe.run.seed, "iteration": iteration},
+                            "seed": recipe.run.seed, "iteration": iteration,
+                            "lr": iteration_lr(recipe, policy)},
                     {"policy": policy.policy_hash, "optimizer": policy.optimizer_path or "",
                      "rollouts": rollouts.content_hash, "scores": scores.content_hash,
                      "advantages": advantages.content_hash,
@@ -276,7 +292,8 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         policy = policy_for(store, recipe, iteration)
         lora = store.get_tensors(policy.lora_path) if policy.lora_path else None
         backbone, params = load_policy(recipe, lora)
-        optimizer = _optimizer(store, recipe, params, policy.optimizer_path)
+        lr = iteration_lr(recipe, policy)
+        optimizer = _optimizer(store, recipe, params, policy.optimizer_path, lr)
         steps_before = int(optimizer.state[params[0]]["step"]) if optimizer.state else 0
         rows = load_rollout_rows(store, rollouts)
         device = next(backbone.transformer.parameters()).device
@@ -296,7 +313,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         before = [p.detach().clone() for p in params]
 
         def lr_for_step(j: int) -> float:
-            return linear_warmup_lr(tr.lr, tr.warmup_steps, steps_before + j)
+            return linear_warmup_lr(lr, tr.warmup_steps, steps_before + j)
 
         with tqdm(total=total, desc=f"train {iteration}", unit="step", mininterval=1.0) as bar:
             def show(u) -> None:
@@ -321,7 +338,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                     shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration),
                     on_step=show, lr_for_step=lr_for_step)
         opt_tensors, groups = optimizer_tensors(optimizer)
-        _refuse_non_finite(lora_tensors(backbone), opt_tensors, updates, iteration, tr.lr)
+        _refuse_non_finite(lora_tensors(backbone), opt_tensors, updates, iteration, lr)
         moved = (update_kl_nats(backbone, prompts, rollout, spec, micro_batch=tr.micro_batch)
                  if recipe.sampling.noise_level > 0 else None)  # the ODE has no likelihoods
         first = updates[0]
@@ -353,7 +370,8 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
                       "param_change_norm": param_change_norm(before, params),
                       "update_kl_nats": moved,
                       "rollout_hf_energy": float(high_frequency_energy(images / 255.0).mean()),
-                      "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason}
+                      "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason,
+                      "lr": lr}
         return [store.write_table("train_steps", step_rows, part), lora_blob, opt_blob,
                 store.write_table("checkpoints", [checkpoint], part)]
 

@@ -524,5 +524,11 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch):
     bm.main(["--lr", "1e-3", "--guidance", "2", "--iterations", "5", "--jobs", "2"])
     assert (seen["lr"], seen["guidance"], seen["pool_prompts"]) == (1e-3, 2.0, 8)
     assert seen["size"].iterations == 5 and seen["size"].pool_images == 16 and seen["jobs"] == 2
-    with pytest.raises(SystemExit):
-        bm.main(["--protocol", "nope"])
+    assert seen["kl_target"] is None
+    bm.main(["--kl-target", "0.03"])
+    assert seen["kl_target"] == 0.03 and seen["lr"] == 4e-4
+    for bad in (["--protocol", "nope"], ["--kl-target", "0"]):
+        with pytest.raises(SystemExit):
+            bm.main(bad)
+    recipe = bm.recipe_for(bm.arms()[0], 1, p.size, "kl", 1, 1e-3, 1.0, kl_target=0.03)
+    assert (recipe.train.kl_target_nats, recipe.train.lr) == (0.03, 1e-3)

@@ -187,7 +187,7 @@ def test_rollout_tables_equal_the_atom_scores(run):
 def test_diagnostic_columns_hold_what_they_claim(run):
     store, recipe, _, _ = run
     assert_declared_schemas(store.root)
-    for table, version in (("train_steps", 5), ("checkpoints", 3), ("evals", 2)):
+    for table, version in (("train_steps", 5), ("checkpoints", 4), ("evals", 2)):
         assert TABLES[table].version == version
     run_id = recipe.run.name
     k_steps = recipe.window.size
@@ -213,6 +213,7 @@ def test_diagnostic_columns_hold_what_they_claim(run):
         assert c["rollout_hf_energy"] == pytest.approx(
             float(high_frequency_energy(images).mean()), rel=1e-6)  # FFT summation order
         assert (c["alarm_reason"] is None) == (not c["constant_reward_alarm"])
+        assert c["lr"] == recipe.train.lr  # no KL target: the recipe's constant lr
     evals = _rows(store, "evals", run_id=run_id)
     assert {r["group_kind"] for r in evals} == {"overall", "tag", "atom_type", "atom_count"}
     assert all(0.0 <= r["hf_energy"] <= 1.0 for r in evals)

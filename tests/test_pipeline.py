@@ -23,6 +23,7 @@ from pipeline_helpers import (
 )
 from safetensors import safe_open
 
+from cast_core.policy import kl_targeted_lr
 from tasks.calibrate_window import calibrate_window, read_window
 from tasks.models import load_base, load_policy
 from tasks.policy_state import policy_for
@@ -205,6 +206,32 @@ def test_second_iteration_starts_from_the_first_checkpoint(ref, second):
     steps = _rows(store, "train_steps", 0) + _rows(store, "train_steps", 1)
     assert ckpt1["optimizer_steps"] == len(steps)
     assert sorted(s["step"] for s in steps) == list(range(len(steps)))
+
+
+def test_kl_targeted_lr_sets_each_iteration_from_the_last_move(ref, tmp_path):
+    """With train.kl_target_nats, iteration k trains at kl_targeted_lr(lr of k - 1, its
+    update_kl_nats): recorded in checkpoints.lr and every train_steps.lr, and part of the train
+    key. The target is a tenth of the move the constant lr makes, so the lr must fall and the
+    next move come closer to the target."""
+    _, base_recipe, prompts, _ = ref
+    store0 = ref[0]
+    moved0 = _rows(store0, "checkpoints", 0)[0]["update_kl_nats"]
+    target = moved0 / 10
+    recipe = ci_recipe(prompts, **{"run.name": "kl-target", "train.kl_target_nats": target})
+    store = Store(tmp_path / "store")
+    for k in (0, 1):
+        run_iteration(store, recipe, k)
+    ckpts = sorted(store.read_table("checkpoints").to_pylist(), key=lambda r: r["iteration"])
+    tr = recipe.train
+    assert ckpts[0]["lr"] == tr.lr == base_recipe.train.lr
+    assert ckpts[0]["update_kl_nats"] == pytest.approx(moved0, rel=1e-6)  # same as the reference
+    want = kl_targeted_lr(tr.lr, ckpts[0]["update_kl_nats"], target, max_factor=tr.kl_lr_factor,
+                          lr_min=tr.kl_lr_floor * tr.lr, lr_max=tr.kl_lr_ceiling * tr.lr)
+    assert ckpts[1]["lr"] == pytest.approx(want) == pytest.approx(tr.lr / tr.kl_lr_factor)
+    for k, c in enumerate(ckpts):
+        assert {s["lr"] for s in store.read_table("train_steps", {"iteration": k}).to_pylist()} \
+            == {c["lr"]}  # no warm-up in the CI recipe
+    assert abs(math.log(ckpts[1]["update_kl_nats"] / target)) < abs(math.log(moved0 / target))
 
 
 def test_rerunning_finished_stages_skips_and_writes_nothing(ref, second):

@@ -10,6 +10,7 @@ from cast_core.loss import spatial_clipped_loss
 from cast_core.policy import (
     PolicyConfig,
     add_lora,
+    kl_targeted_lr,
     linear_warmup_lr,
     policy_update,
     reference_mode,
@@ -264,6 +265,40 @@ def test_linear_warmup_lr():
     assert linear_warmup_lr(0.4, 0, 0) == 0.4
     with pytest.raises(ValueError):
         linear_warmup_lr(0.4, -1, 0)
+
+
+def test_kl_targeted_lr_hits_the_target_of_a_quadratic_move_in_one_iteration():
+    # a small move's KL is quadratic in the lr: kl(lr) = c lr^2, so lr * sqrt(target / kl(lr))
+    # moves exactly the target when the factor is within bounds
+    c, target, bounds = 2e4, 0.03, {"max_factor": 2.0, "lr_min": 1e-5, "lr_max": 1e-2}
+    for lr in (6e-4, 1.6e-3):  # kl 0.0072 and 0.0512: factors 2.04 (clamped) and 0.77
+        nxt = kl_targeted_lr(lr, c * lr**2, target, **bounds)
+        if lr == 6e-4:
+            assert nxt == pytest.approx(2 * lr)  # the factor clamps at max_factor
+            assert c * nxt**2 < target
+        else:
+            assert c * nxt**2 == pytest.approx(target)
+    # iterated, it settles at the target's lr, sqrt(target / c)
+    lr = 1e-4
+    for _ in range(8):
+        lr = kl_targeted_lr(lr, c * lr**2, target, **bounds)
+    assert lr == pytest.approx((target / c) ** 0.5)
+
+
+def test_kl_targeted_lr_bounds_and_missing_estimates():
+    bounds = {"max_factor": 2.0, "lr_min": 1e-4, "lr_max": 1e-3}
+    assert kl_targeted_lr(5e-4, 10.0, 0.01, **bounds) == pytest.approx(2.5e-4)  # factor 1/2
+    assert kl_targeted_lr(1.5e-4, 10.0, 0.01, **bounds) == 1e-4  # the lr floor
+    assert kl_targeted_lr(8e-4, 1e-9, 0.01, **bounds) == 1e-3  # the lr ceiling
+    assert kl_targeted_lr(5e-4, None, 0.01, **bounds) == 5e-4  # no estimate: unchanged
+    assert kl_targeted_lr(4e-4, 0.0, 0.01, **bounds) == pytest.approx(8e-4)  # no move: x2
+    assert kl_targeted_lr(4e-4, float("nan"), 0.01, **bounds) == pytest.approx(2e-4)
+    assert kl_targeted_lr(4e-4, 0.04, 0.01, **bounds) == pytest.approx(2e-4)  # sqrt(1/4)
+    for bad in ({"max_factor": 0.5}, {"lr_min": 2e-3}, {"lr_min": 0.0}):
+        with pytest.raises(ValueError):
+            kl_targeted_lr(4e-4, 0.01, 0.01, **(bounds | bad))
+    with pytest.raises(ValueError):
+        kl_targeted_lr(4e-4, 0.01, 0.0, **bounds)
 
 
 def test_nan_advantage_skips_the_optimizer_step_and_leaves_weights_unchanged():

@@ -156,6 +156,27 @@ def test_train_step_fields_are_checked():
         load_recipe(CI, {"train.steps_per_epoch": 17})
 
 
+def test_kl_targeted_lr_fields_are_checked_and_printed():
+    base = load_recipe(CI)
+    assert base.train.kl_target_nats is None
+    assert base.derived()["lr_schedule"] == f"constant {base.train.lr:g}"
+    recipe = load_recipe(CI, {"train.kl_target_nats": 0.03, "train.kl_lr_floor": 0.5,
+                              "train.kl_lr_ceiling": 4.0})
+    lr = recipe.train.lr
+    assert recipe.derived()["lr_schedule"] == (
+        f"KL-targeted: {lr:g} at iteration 0, then x sqrt(0.03 nats / the last update's KL) "
+        f"within x[1/2, 2] an iteration and [{0.5 * lr:g}, {4 * lr:g}]")
+    # a new field left at its default keeps every cached stage's key; set, it changes the train key
+    assert recipe.section_hash("train") != base.section_hash("train")
+    assert "train.kl_target_nats" in _error(CI, {"train.kl_target_nats": 0.0})
+    assert "train.kl_lr_factor" in _error(CI, {"train.kl_lr_factor": 1.0})
+    assert "train.kl_lr_floor" in _error(CI, {"train.kl_lr_floor": 2.0})
+    assert "train.kl_lr_ceiling" in _error(CI, {"train.kl_lr_ceiling": 0.5})
+    nft = {"train.objective": "nft", "sampling.noise_level": 0.0, "sampling.shared_noise": False,
+           "window.mode": "fixed"}
+    assert "needs the SDE's likelihoods" in _error(CI, {**nft, "train.kl_target_nats": 0.03})
+
+
 def test_overrides_apply_before_validation():
     base = load_recipe(CI)
     recipe = load_recipe(CI, {"run.threads": 1, "prompts.per_iteration": 2,
