@@ -61,11 +61,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from cast_core.csg import RELATIONS, SceneGraph, validate_graph
 from cast_core.csg_clauses import (
     PREDICATE_VERBS,
+    SEP,
     Relation,
     clause_edges,
     is_predication,
@@ -78,9 +80,10 @@ from cast_core.csg_questions import (
     object_node,
     relation_edge,
 )
-from cast_core.csg_references import Reading, antecedent, with_attributes
+from cast_core.csg_references import Reading, antecedent, unnamed, with_attributes
 from cast_core.csg_vocab import (
     ALSO_NOUNS,
+    AMBIGUOUS_COMPOUND_NOUNS,
     ATTRIBUTE_KIND,
     ATTRIBUTE_KINDS,
     CLAUSE_WORDS,
@@ -127,6 +130,8 @@ COUNT_WORDS: dict[str, int] = {"a": 1, "an": 1, **{w: n for n, w in enumerate(NU
 _NOT_NOUN_WORDS = frozenset(COUNT_WORDS) | frozenset(NUMBER_NAMES) | frozenset({
     "the", "and", "or", "of", "on", "in", "at", "with", "to", "by", "for", "from", "near", "next",
     "behind", "under", "over", "beside", "front", "left", "right", "above", "below"})
+# Relations that hold both ways, so "A and B next to each other" is one edge from A to B.
+_BOTH_WAYS = frozenset({"next to", "close to"})
 _RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "side"})
 _WORD = re.compile(r"[a-z][a-z'-]*")
 # What may follow "made of": a material word or the substance it names ("made of wood", "made of
@@ -201,10 +206,13 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     except ValueError as err:
         construct = next(filter(None, (_construct(span) for span in spans)), None)
         raise _fail(prompt, (f"{construct}; " if construct else "") + f"{err}; {_LLM}") from err
+    local = _each_other(spans, ops, prompt) or local
+    spans = spans[:-1] if spans[-1] == ["each", "other"] else spans
     roles, index = _roles(ops), []
     for i, span in enumerate(spans):
         if span[:1] == ["the"]:
-            index.append(_reference(span, phrases, prompt, nouns, roles[i]))
+            placed = i > 0 and isinstance(ops[i - 1], Relation)
+            index.append(_reference(span, phrases, prompt, nouns, roles[i], placed))
         else:
             phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0))
             index.append(len(phrases) - 1)
@@ -215,10 +223,30 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         if index[i] == index[j]:
             raise _fail(prompt, f"it relates {' '.join(spans[i])!r} to "
                                 f"{' '.join(spans[j])!r}, the same noun phrase")
+        if relation == "in" and phrases[index[j]].noun == "row":
+            raise _fail(prompt, f"'in {' '.join(spans[j])}' reads as an arrangement ('parked in a "
+                                f"row'), not an object; {_LLM}")
         if relation == "between" and phrases[index[j]].count < 2:
             raise _fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
                                 f"lamp between two chairs'), not {' '.join(spans[j])!r}; {_LLM}")
     return [(index[i], relation, index[j]) for i, relation, j in local]
+
+
+def _each_other(spans: list[list[str]], ops: list[str | Relation],
+                prompt: str) -> list[tuple[int, str, int]] | None:
+    """The one edge of "A and B next to each other" (or "near", "close to": relations that hold
+    both ways), from A to B; None when "each other" is not written. Any other "each other" is an
+    error: after more than two noun phrases or another relation it is not one edge."""
+    if not any(span[:2] == ["each", "other"] for span in spans):
+        return None
+    relation = ops[-1] if ops else None
+    fits = (spans[-1] == ["each", "other"] and len(spans) == 3 and ops[0] == SEP
+            and isinstance(relation, Relation) and relation.canonical in _BOTH_WAYS)
+    if not fits:
+        raise _fail(prompt, "'each other' is read only as 'A and B next to each other' (or "
+                            "'near', 'close to' each other): two noun phrases and a relation that "
+                            f"holds both ways; {_LLM}")
+    return [(0, relation.canonical, 1)]
 
 
 def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
@@ -252,10 +280,14 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
 
 
 def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
-               nouns: frozenset[str] | None, role: str) -> int:
-    """Index in `phrases` of the one that "the [attributes] noun" names."""
+               nouns: frozenset[str] | None, role: str, placed: bool = False) -> int:
+    """Index in `phrases` of the one that "the [attributes] noun" names. When `placed` (the
+    object of a relation: "a cat under the bed") and no earlier noun phrase has its noun, it is a
+    new noun phrase of one, appended: "the bed" is one bed. A plural or invariant noun ("the
+    dogs", "the sheep") says no count and stays an error."""
     text, rest = " ".join(words), words[1:]
     _check_noun_words(rest, text, prompt, role)
+    _check_ambiguous(rest, text, prompt, nouns)
     plural = singularize(" ".join(rest)) != " ".join(rest)
     readings: list[Reading] = []
     for count in (1, 2) if plural else (1,):
@@ -264,6 +296,10 @@ def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
             readings.append((split[0], split[1], count > 1))
     if not readings:
         raise _fail(prompt, _no_split_reason(rest, text, nouns, 2 if plural else 1))
+    if placed and not plural and pluralize(readings[0][0]) != readings[0][0] \
+            and unnamed(readings, phrases):
+        phrases.append(NounPhrase(readings[0][0], 1, readings[0][1]))
+        return len(phrases) - 1
     try:
         return antecedent(text, readings, phrases)
     except ValueError as err:
@@ -294,6 +330,7 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
     made = _made_of(rest) if rest[-3:-1] == ["made", "of"] else None
     rest = made[0] if made else rest
     _check_noun_words(rest, text, prompt, role)
+    _check_ambiguous(rest, text, prompt, nouns)
     split = _split(rest, count, nouns)
     if split is None:
         raise _fail(prompt, _no_split_reason(rest, text, nouns, count))
@@ -336,6 +373,20 @@ def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> Non
         raise _fail(prompt, (f"{construct}; " if construct else "")
                     + f"noun {' '.join(rest)!r} in {text!r} has words that are not part of a "
                       f"noun: {bad}; {_LLM}")
+
+
+def _check_ambiguous(rest: list[str], text: str, prompt: str,
+                     nouns: frozenset[str] | None) -> None:
+    """Refuse an attribute word + noun that is also a compound ("a blue whale": the species, or a
+    whale coloured blue?), unless a noun list decides."""
+    if nouns is not None:
+        return
+    for first, second in pairwise(rest):
+        pair = f"{first} {singularize(second)}"
+        if pair in AMBIGUOUS_COMPOUND_NOUNS:
+            raise _fail(prompt, f"{pair!r} in {text!r} may be one noun (the species) or a "
+                                f"{singularize(second)} whose colour is {first}; give the parser "
+                                f"a noun list or {_LLM}")
 
 
 def _split(rest: list[str], count: int,

@@ -38,6 +38,12 @@ def antecedent(text: str, readings: list[Reading], phrases: list[NounPhrase]) ->
                      f"by an attribute that tells them apart")
 
 
+def unnamed(readings: list[Reading], phrases: list[NounPhrase]) -> bool:
+    """Whether no noun phrase in `phrases` has the noun (or head word) of any reading: a "the
+    ..." that cannot be meant as a reference to one of them."""
+    return not any(_same_noun(r[0], p.noun) for p in phrases for r in readings)
+
+
 def _names(reading: Reading, phrase: NounPhrase) -> bool:
     noun, attributes, plural = reading
     number_agrees = plural == (phrase.count > 1) or pluralize(noun) == noun

