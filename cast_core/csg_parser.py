@@ -183,13 +183,16 @@ def parse_prompt(prompt: str, tag: str | None = None,
         raise _fail(prompt, f"{err}; {_LLM}") from err
     phrases: list[NounPhrase] = []
     edges: list[tuple[int, str, int]] = []
+    opening = True  # no noun phrase written with a/an or a count yet
     for n, (spans, ops) in enumerate(statements):
         relates = spans[0][-1:] in (["is"], ["are"]) and ops and isinstance(ops[0], Relation)
         if is_predication(spans[0]) and not relates:
-            _predicate(spans, ops, phrases, prompt, listed)
+            _predicate(spans, ops, phrases, prompt, listed, opening)
             continue
         spans = [spans[0][:-1], *spans[1:]] if relates else spans
-        edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == prompt)
+        edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == prompt,
+                         opening and bool(relates))
+        opening = opening and all(span[:1] in (["the"], ["each"]) for span in spans)
     repeated = sorted({e for e in edges if edges.count(e) > 1})
     if repeated:
         raise _fail(prompt, f"it states relation {repeated[0][1]!r} between the same two noun "
@@ -198,9 +201,11 @@ def parse_prompt(prompt: str, tag: str | None = None,
 
 
 def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
-            prompt: str, nouns: frozenset[str] | None, first: bool) -> list[tuple[int, str, int]]:
+            prompt: str, nouns: frozenset[str] | None, first: bool,
+            opening: bool = False) -> list[tuple[int, str, int]]:
     """Edges of one statement between indices of `phrases`, to which its new noun phrases are
-    appended (a span "the ..." is a reference to one already there)."""
+    appended (a span "the ..." is a reference to one already there, or a new noun phrase of one
+    after a relation, and as the subject of an `opening` predication, when none has its noun)."""
     try:
         local = clause_edges(spans, ops)
     except ValueError as err:
@@ -211,7 +216,7 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     roles, index = _roles(ops), []
     for i, span in enumerate(spans):
         if span[:1] == ["the"]:
-            placed = i > 0 and isinstance(ops[i - 1], Relation)
+            placed = isinstance(ops[i - 1], Relation) if i > 0 else opening
             index.append(_reference(span, phrases, prompt, nouns, roles[i], placed))
         else:
             phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0))
@@ -250,11 +255,13 @@ def _each_other(spans: list[list[str]], ops: list[str | Relation],
 
 
 def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
-               prompt: str, nouns: frozenset[str] | None) -> None:
-    """Apply "the cup is red [and shiny]" to the phrase it names, in place."""
+               prompt: str, nouns: frozenset[str] | None, opening: bool = False) -> None:
+    """Apply "the cup is red [and shiny]" to the phrase it names, in place. When `opening` (no
+    noun phrase has been written with a/an or a count) a subject no earlier noun phrase has the
+    noun of is a new noun phrase of one ("the cat is black")."""
     at = next(i for i, w in enumerate(spans[0]) if w in PREDICATE_VERBS)
     subject, verb = spans[0][:at], spans[0][at]
-    i = _reference(subject, phrases, prompt, nouns, "")
+    i = _reference(subject, phrases, prompt, nouns, "", opening)
     said = f"{' '.join(subject)} {verb}"
     if any(isinstance(op, Relation) for op in ops) or not all(spans[1:]):
         raise _fail(prompt, f"after {said!r} comes either attribute words ('the cup is red and "
@@ -282,8 +289,9 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
 def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
                nouns: frozenset[str] | None, role: str, placed: bool = False) -> int:
     """Index in `phrases` of the one that "the [attributes] noun" names. When `placed` (the
-    object of a relation: "a cat under the bed") and no earlier noun phrase has its noun, it is a
-    new noun phrase of one, appended: "the bed" is one bed. A plural or invariant noun ("the
+    object of a relation: "a cat under the bed", or the subject of an opening predication: "the
+    cat is black") and no earlier noun phrase has its noun, it is a new noun phrase of one,
+    appended: "the bed" is one bed. A plural or invariant noun ("the
     dogs", "the sheep") says no count and stays an error."""
     text, rest = " ".join(words), words[1:]
     _check_noun_words(rest, text, prompt, role)
