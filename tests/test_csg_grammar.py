@@ -347,8 +347,14 @@ def test_prompt_length_and_atom_limits():
 # to a house"; elsewhere it keeps it), and reads one chain the other way from the 13 chains of the
 # first two lists ("a pink piggy bank on a shelf beside three gold coins": the parser places the
 # shelf beside the coins).
-# The fourth list's one is not a label: the parser reads "a blue whale" (the animal) as a whale
-# coloured blue; only the compound list can know a species name that starts with a colour word.
+# The fourth list's one, "a blue whale" (the animal) read as a whale coloured blue, is refused
+# since the fifth round: the second list labels the same words a whale coloured blue.
+# The fifth list's three are readings: it places the boat, not the water, next to the pier (the
+# chain rule places the noun phrase the later relation follows), files "bronze" under material
+# (the vocabulary: colour), and reads "a sandcastle next to a red bucket and a yellow shovel on a
+# beach" as a list after "next to" with the shovel on the beach (the parser, as since the first
+# round: a noun phrase followed by a relation after the first object starts a new clause, so the
+# sandcastle is next to the bucket only).
 LABEL_DIFFERENCES = {
     "compositional_heldout.jsonl": ["six yellow rubber ducks in front of a bathtub",
                                     "a pair of skis",
@@ -368,6 +374,10 @@ LABEL_DIFFERENCES = {
                                      "a red car and a blue car parked next to a house",
                                      "a pink piggy bank on a shelf beside three gold coins"],
     "compositional_heldout4.jsonl": [],
+    "compositional_heldout5.jsonl": ["a boat on the water next to a pier",
+                                     "an ivory vase to the right of a bronze statue",
+                                     ("a sandcastle next to a red bucket and a yellow shovel on "
+                                      "a beach")],
 }
 
 
