@@ -130,6 +130,7 @@ COUNT_WORDS: dict[str, int] = {"a": 1, "an": 1, **{w: n for n, w in enumerate(NU
 _NOT_NOUN_WORDS = frozenset(COUNT_WORDS) | frozenset(NUMBER_NAMES) | frozenset({
     "the", "and", "or", "of", "on", "in", "at", "with", "to", "by", "for", "from", "near", "next",
     "behind", "under", "over", "beside", "front", "left", "right", "above", "below"})
+_AMBIGUOUS_FIRST = frozenset(c.split(" ")[0] for c in AMBIGUOUS_COMPOUND_NOUNS)
 # Relations that hold both ways, so "A and B next to each other" is one edge from A to B.
 _BOTH_WAYS = frozenset({"next to", "close to"})
 _RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "side"})
@@ -390,6 +391,8 @@ def _check_ambiguous(rest: list[str], text: str, prompt: str,
     if nouns is not None:
         return
     for first, second in pairwise(rest):
+        if first not in _AMBIGUOUS_FIRST:
+            continue
         pair = f"{first} {singularize(second)}"
         if pair in AMBIGUOUS_COMPOUND_NOUNS:
             raise _fail(prompt, f"{pair!r} in {text!r} may be one noun (the species) or a "
