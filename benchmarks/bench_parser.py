@@ -10,7 +10,8 @@ Sets:
   prompts written before the second round, which guided the third) and
   tests/data/compositional_heldout3.jsonl (340 prompts written before the third round, which
   guided the fourth) and tests/data/compositional_heldout4.jsonl (346 prompts written before the
-  fourth round and not tuned to afterwards), each with its intended graph;
+  fourth round, which guided the fifth) and tests/data/compositional_heldout5.jsonl (394 prompts
+  written before the fifth round and not tuned to afterwards), each with its intended graph;
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
   JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
