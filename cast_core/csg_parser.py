@@ -23,7 +23,10 @@ listed noun phrase the relation ("a cat and a dog on a sofa": both are on it). I
 the later relation places the noun phrase it follows (the table), except after "with", whose object
 belongs to the subject ("a girl with a kite next to a tree": the girl). "between" takes one noun
 phrase of two or more ("a lamp between two chairs"). A separator before "the ... is|are" also starts a
-statement ("a cat next to a dog, the dog is brown"). Back-references and predications:
+statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun that no earlier noun
+phrase has is a new noun phrase of one after a relation ("a cat under the bed") and as the subject
+of a predication before any a/an or count noun phrase ("the cat is black"). "A and B next to each
+other" (near, close to) is one edge from A to B. Back-references and predications:
 `cast_core.csg_references` (a reference must name exactly one earlier noun phrase; a predication
 adds attributes to it, or relates it).
 
