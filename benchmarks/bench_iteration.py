@@ -70,7 +70,7 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
         pool_to_grid,
         scalar_advantages,
     )
-    from cast_core.csg import SceneGraph
+    from cast_core.csg.graph import SceneGraph
     from cast_core.policy import PolicyConfig, policy_update
     from cast_core.rollout import rollout
     from tasks.models import load_policy, lora_tensors, scorer, set_threads

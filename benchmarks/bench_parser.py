@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from test_csg_grammar import TABLE
 
-from cast_core.csg_parser import PromptParseError, graph_from_geneval, parse_prompt
-from cast_core.csg_vocab import ATTRIBUTE_KINDS
+from cast_core.csg.parser import PromptParseError, graph_from_geneval, parse_prompt
+from cast_core.csg.vocab import ATTRIBUTE_KINDS
 
 
 def shape(graph) -> tuple[list, list]:

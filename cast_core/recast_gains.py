@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from cast_core.credit import mean_normalise, recast_weights, renyi_gaussian, step_gains
-from cast_core.csg import AtomType, SceneGraph
+from cast_core.csg.graph import AtomType, SceneGraph
 from cast_core.sampling import encode_conditioning, ode_trajectory, step_velocity
 from cast_core.sde import tweedie_x0
 

@@ -41,7 +41,7 @@ from cast_core.advantage import (
     pool_to_grid,
     scalar_advantages,
 )
-from cast_core.csg import AtomType
+from cast_core.csg.graph import AtomType
 from tasks.recipe import Recipe
 from tasks.score_atoms import load_rollout_rows
 from tasks.stage import StageRef, make_key, run_stage, stage_task

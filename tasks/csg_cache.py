@@ -8,7 +8,7 @@ file or a whole one. A file that cannot be read, is not JSON, or names a differe
 with a `CsgCacheWarning` (the caller then rebuilds and the next `put` rewrites it); it never raises.
 
 The root is the caller's: the build_csgs stage passes a folder under the store root.
-Implements `cast_core.csg_llm.AnswerCache`.
+Implements `cast_core.csg.llm.AnswerCache`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import hashlib
 
 from tqdm.auto import tqdm
 
-from cast_core.csg_parser import graph_from_geneval
+from cast_core.csg.parser import graph_from_geneval
 from cast_core.metrics import ImageResult
 from cast_core.sampling import sample_ode
 from cast_core.shapes.verifier import verify

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cast_core.csg import SceneGraph
-from cast_core.csg_parser import graph_from_geneval
+from cast_core.csg.graph import SceneGraph
+from cast_core.csg.parser import graph_from_geneval
 from cast_core.hub_snapshot import local_folder, snapshot_identity
 from cast_core.policy import add_lora
 from tasks.recipe import Recipe
@@ -134,8 +134,8 @@ def graph_builder(recipe: Recipe) -> Callable[[dict], SceneGraph]:
     b = recipe.builder
     if b.kind == "geneval-parser":
         return graph_from_geneval
-    from cast_core.csg_llm import LlmCsgBuilder
-    from cast_core.csg_llm_clients import ChatEndpointClient, LocalCausalLMClient
+    from cast_core.csg.llm import LlmCsgBuilder
+    from cast_core.csg.llm_clients import ChatEndpointClient, LocalCausalLMClient
     from tasks.csg_cache import CsgCache
 
     if b.kind == "llm-chat":
@@ -165,7 +165,7 @@ def builder_id(recipe: Recipe) -> str:
     b = recipe.builder
     if b.kind == "geneval-parser":
         return "geneval-parser-v1"
-    from cast_core.csg_llm import TEMPLATE_VERSION
+    from cast_core.csg.llm import TEMPLATE_VERSION
 
     model = b.model if b.kind == "llm-chat" else model_identity(b.model)
     return f"{b.kind}-{TEMPLATE_VERSION}({model})"

@@ -24,8 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cast_core.csg import SceneGraph
-from cast_core.csg_parser import (
+from cast_core.csg.graph import SceneGraph
+from cast_core.csg.parser import (
     MAX_PROMPT_CHARS,
     PromptParseError,
     graph_from_geneval,

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image, ImageOps
 
-from cast_core.csg_parser import graph_from_geneval
+from cast_core.csg.parser import graph_from_geneval
 from cast_core.recast_gains import (
     ATOM_TYPES,
     RecastGains,

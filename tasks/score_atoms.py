@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from cast_core.csg import SceneGraph
+from cast_core.csg.graph import SceneGraph
 from tasks.models import Scorer, scorer, scorer_id, set_threads
 from tasks.recipe import Recipe
 from tasks.stage import StageRef, make_key, run_stage, stage_task

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cast_core.csg import CsgError, SceneGraph, validate_graph
-from cast_core.csg_parser import (
+from cast_core.csg.graph import CsgError, SceneGraph, validate_graph
+from cast_core.csg.parser import (
     PromptParseError,
     graph_from_geneval,
     parse_prompt,

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from cast_core.csg import MAX_ATOMS, SceneGraph
-from cast_core.csg_parser import (
+from cast_core.csg.graph import MAX_ATOMS, SceneGraph
+from cast_core.csg.parser import (
     MAX_PROMPT_CHARS,
     PromptParseError,
     graph_from_geneval,
     parse_prompt,
 )
-from cast_core.csg_vocab import (
+from cast_core.csg.vocab import (
     ATTRIBUTE_COMPOUND_NOUNS,
     ATTRIBUTE_KIND,
     ATTRIBUTE_KINDS,

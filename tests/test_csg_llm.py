@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cast_core.csg import validate_graph
-from cast_core.csg_llm import DEFAULT_TEMPLATE, CsgBuildError, LlmCsgBuilder
-from cast_core.csg_llm_clients import ChatEndpointClient, LlmClientError, LocalCausalLMClient
-from cast_core.csg_llm_schema import AnswerError, parse_answer, parse_spec
-from cast_core.csg_parser import graph_from_geneval, parse_prompt
+from cast_core.csg.graph import validate_graph
+from cast_core.csg.llm import DEFAULT_TEMPLATE, CsgBuildError, LlmCsgBuilder
+from cast_core.csg.llm_clients import ChatEndpointClient, LlmClientError, LocalCausalLMClient
+from cast_core.csg.llm_schema import AnswerError, parse_answer, parse_spec
+from cast_core.csg.parser import graph_from_geneval, parse_prompt
 from tasks.csg_cache import CsgCache, CsgCacheWarning
 
 PROMPT = "a photo of two red circles left of a blue square"
@@ -359,7 +359,7 @@ def test_local_random_lm_ends_in_a_clear_build_error(tiny_lm):
 
 def _retries(client: LocalCausalLMClient, messages, n: int) -> list[dict]:
     """The turns the builder appended after `n` rejected greedy answers."""
-    from cast_core.csg_llm import feedback_turn
+    from cast_core.csg.llm import feedback_turn
 
     turns: list[dict] = []
     for _ in range(n):

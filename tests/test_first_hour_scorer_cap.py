@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from cast_core.csg_parser import graph_from_geneval
+from cast_core.csg.parser import graph_from_geneval
 from cast_core.scorers.remote import RemoteScorer, encode_request, request_image_count
 from cast_core.scorers.service import DEFAULT_MAX_IMAGES, load_scorer, make_app, serve_in_thread
 from cast_core.shapes.prompts import enumerate_prompts

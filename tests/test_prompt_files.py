@@ -9,7 +9,7 @@ import pytest
 from pipeline_helpers import CI_RECIPE
 
 import tasks.build_csgs as build_csgs_module
-from cast_core.csg_parser import MAX_PROMPT_CHARS, parse_prompt
+from cast_core.csg.parser import MAX_PROMPT_CHARS, parse_prompt
 from cast_core.shapes.prompts import PromptFileError, load_prompt_file
 from tasks.prompt_sets import load_prompts, prompt_lines
 from tasks.recipe import load_recipe

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tiny_models import QWEN3_VL_TEMPLATE, save_qwen3_vl
 
-from cast_core.csg import Atom, ObjectNode, SceneGraph
+from cast_core.csg.graph import Atom, ObjectNode, SceneGraph
 from cast_core.scorers.soft_tifa import NUMBER_WORDS, SoftTifaConfig, SoftTifaScorer, relative_map
 from cast_core.scorers.soft_tifa_inputs import (
     encode_prompts,
@@ -250,7 +250,7 @@ def test_runs_without_torchvision(model_dir):
     code = f"""
 import sys
 import torch
-from cast_core.csg import Atom, ObjectNode, SceneGraph
+from cast_core.csg.graph import Atom, ObjectNode, SceneGraph
 from cast_core.scorers.soft_tifa import SoftTifaConfig, SoftTifaScorer
 atoms = (Atom("obj0", "object", "Is there a dog?", "yes", (), "obj0"),)
 graph = SceneGraph("a dog", (ObjectNode("obj0", "dog", 1, (), atoms),), ())

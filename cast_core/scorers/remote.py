@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from cast_core.csg import CsgError, SceneGraph, validate_graph
+from cast_core.csg.graph import CsgError, SceneGraph, validate_graph
 
 PROTOCOL_VERSION = 1
 _IMAGE_DTYPES = (torch.uint8, torch.float16, torch.bfloat16, torch.float32)

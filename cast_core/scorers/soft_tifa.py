@@ -6,7 +6,7 @@ prefix (thinking disabled), of the accepted forms of the expected answer's FIRST
 - yes/no atoms: the yes forms ("Yes", "yes", "YES", with and without a leading space);
 - count atoms (answer = digit string n): the digit and number-word forms of n ("3", "three",
   "Three", with and without a leading space).
-The question is the atom's own text, written by `cast_core.csg_questions` with one form per atom
+The question is the atom's own text, written by `cast_core.csg.questions` with one form per atom
 kind (object, count, colour/size/shape/state, material "made of", pattern, texture, relation), so
 every kind is asked with the yes/no instruction except counts. Forms are configurable; token-id
 sets are built once from the tokenizer and forms that are not a single token are skipped (Qwen's
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cast_core.csg import Atom, SceneGraph
+from cast_core.csg.graph import Atom, SceneGraph
 from cast_core.scorers.soft_tifa_inputs import (
     ImageInputs,
     count_forms,

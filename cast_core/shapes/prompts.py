@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cast_core.csg_parser import PREFIX, graph_from_geneval, noun_phrase, parse_prompt
+from cast_core.csg.parser import PREFIX, graph_from_geneval, noun_phrase, parse_prompt
 from cast_core.shapes.world import COLORS, MAX_COUNT, RELATIONS, SHAPES
 
 SMALL_TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position",

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cast_core.csg import Atom, SceneGraph
+from cast_core.csg.graph import Atom, SceneGraph
 from cast_core.shapes.world import BACKGROUND_RGB, COLORS, PALETTE_RGB, SHAPES
 
 KINDS = (*SHAPES, "other")

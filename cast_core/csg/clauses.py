@@ -1,6 +1,6 @@
 """A prompt body's clause structure: statements, their noun-phrase spans, the separators and
 relations between them, and which relation edges they make. The offline parser
-(`cast_core.csg_parser`) reads each span.
+(`cast_core.csg.parser`) reads each span.
 
 Words are split on single spaces (a comma, ";" or "." ends a word). ";" and "." end a statement
 (a final "." is dropped), and so does a separator before a predication, a span "the ... is|are"
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cast_core.csg_vocab import ATTRIBUTE_KIND, POSTURE_VERBS, RELATION_FORMS, RELATION_PHRASES
+from cast_core.csg.vocab import ATTRIBUTE_KIND, POSTURE_VERBS, RELATION_FORMS, RELATION_PHRASES
 
 SEP = "sep"
 STATEMENT_ENDS = (";", ".")

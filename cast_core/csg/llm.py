@@ -1,9 +1,9 @@
 """LLM Causal-Scene-Graph builder for free-form prompts: ask a chat model, validate, retry.
 
-The model only describes the scene in the small JSON format of `cast_core.csg_llm_schema`, which
+The model only describes the scene in the small JSON format of `cast_core.csg.llm_schema`, which
 also validates it; our code turns the validated `SceneSpec` into the `SceneGraph` (atoms,
 questions, answers, parent links) with the GenEval parser's own builders (`object_node`,
-`relation_edge` in `cast_core.csg_parser`), so an LLM answer that describes a GenEval prompt gives
+`relation_edge` in `cast_core.csg.parser`), so an LLM answer that describes a GenEval prompt gives
 exactly the parser's graph. Generalisations the parser's grammar never needs: any number of
 relations (edge k is "rel{k}", its atom's parents are its two object atoms) and attribute keys
 besides colour (one "obj0/<key>" atom each, in `ATTRIBUTE_KEYS` order).
@@ -25,10 +25,17 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cast_core.csg import MAX_COUNT, MIN_COUNT, RELATIONS, CsgError, SceneGraph, validate_graph
-from cast_core.csg_llm_clients import ChatClient, ChatMessage
-from cast_core.csg_llm_schema import ATTRIBUTE_KEYS, SceneSpec, parse_answer, parse_spec
-from cast_core.csg_parser import object_node, relation_edge
+from cast_core.csg.graph import (
+    MAX_COUNT,
+    MIN_COUNT,
+    RELATIONS,
+    CsgError,
+    SceneGraph,
+    validate_graph,
+)
+from cast_core.csg.llm_clients import ChatClient, ChatMessage
+from cast_core.csg.llm_schema import ATTRIBUTE_KEYS, SceneSpec, parse_answer, parse_spec
+from cast_core.csg.parser import object_node, relation_edge
 
 TEMPLATE_VERSION = "csg-llm-v1"
 ANSWER_EXCERPT_CHARS = 500

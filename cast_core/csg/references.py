@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cast_core.csg_vocab import pluralize
+from cast_core.csg.vocab import pluralize
 
 if TYPE_CHECKING:
-    from cast_core.csg_parser import NounPhrase
+    from cast_core.csg.parser import NounPhrase
 
 Reading = tuple[str, tuple[tuple[str, str], ...], bool]
 

@@ -14,7 +14,7 @@ The object ids the model chose become indices in its order; `SceneSpec.to_dict` 
 as "obj0", "obj1", ... (the canonical form that is cached). Attributes are kept in
 `ATTRIBUTE_KEYS` order, whatever order the model wrote them in.
 
-These rules are part of the LLM builder's template version (`cast_core.csg_llm.TEMPLATE_VERSION`):
+These rules are part of the LLM builder's template version (`cast_core.csg.llm.TEMPLATE_VERSION`):
 bump it whenever they change, so cached answers are not reused.
 """
 
@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cast_core.csg import MAX_COUNT, MIN_COUNT, RELATIONS, CsgError
-from cast_core.csg_parser import COUNT_WORDS, NUMBER_NAMES
+from cast_core.csg.graph import MAX_COUNT, MIN_COUNT, RELATIONS, CsgError
+from cast_core.csg.parser import COUNT_WORDS, NUMBER_NAMES
 
 ATTRIBUTE_KEYS: tuple[str, ...] = ("color", "size", "material", "texture", "shape", "state")
 MAX_OBJECTS = 10
@@ -58,7 +58,7 @@ class RelationSpec:
 
 @dataclass(frozen=True)
 class SceneSpec:
-    """A validated LLM answer: what `cast_core.csg_llm.scene_graph` turns into a SceneGraph."""
+    """A validated LLM answer: what `cast_core.csg.llm.scene_graph` turns into a SceneGraph."""
 
     objects: tuple[ObjectSpec, ...]
     relations: tuple[RelationSpec, ...]

@@ -12,7 +12,7 @@ Grammar (GenEval's six templates and the shapes world's forms are all instances)
                | "pair of" ATTRIBUTE* (WORD | COMPOUND)
     REL       := [POSTURE] RELATION-FORM                        POSTURE: "sitting", "parked", ...
     SEP       := ", " | " and " | ", and "
-REL is one of the forms in `cast_core.csg_vocab.RELATION_PHRASES` ("left of", "to the left of",
+REL is one of the forms in `cast_core.csg.vocab.RELATION_PHRASES` ("left of", "to the left of",
 "under", "behind", "in front of", "on top of", "next to", "beside", "near", "with", "on", "in",
 ...), each read as its canonical relation. A relation followed by a list relates its subject to
 each listed noun phrase ("a cat next to two dogs and a red chair": two edges). "and" before a
@@ -27,7 +27,7 @@ statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun tha
 phrase has is a new noun phrase of one after a relation ("a cat under the bed") and as the subject
 of a predication before any a/an or count noun phrase ("the cat is black"). "A and B next to each
 other" (near, close to) is one edge from A to B. Back-references and predications:
-`cast_core.csg_references` (a reference must name exactly one earlier noun phrase; a predication
+`cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication
 adds attributes to it, or relates it).
 
 Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on a bench with a
@@ -56,7 +56,7 @@ plurals ("two sheep") cannot be told apart from it.
 Node order is the order of appearance; edge k is "rel{k}" in order of appearance. GenEval's
 metadata lists a position prompt's reference object first and the subject second (with
 "position": [rel, 0]); `graph_from_geneval` puts the positioned clause first, so both paths give
-the same graph. Atoms and their questions: `cast_core.csg_questions` (shared with the LLM builder).
+the same graph. Atoms and their questions: `cast_core.csg.questions` (shared with the LLM builder).
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from cast_core.csg import RELATIONS, SceneGraph, validate_graph
-from cast_core.csg_clauses import (
+from cast_core.csg.clauses import (
     PREDICATE_VERBS,
     SEP,
     Relation,
@@ -76,15 +75,16 @@ from cast_core.csg_clauses import (
     is_predication,
     split_statements,
 )
-from cast_core.csg_questions import (
+from cast_core.csg.graph import RELATIONS, SceneGraph, validate_graph
+from cast_core.csg.questions import (
     NUMBER_NAMES,
     node_description,
     noun_phrase,
     object_node,
     relation_edge,
 )
-from cast_core.csg_references import Reading, antecedent, unnamed, with_attributes
-from cast_core.csg_vocab import (
+from cast_core.csg.references import Reading, antecedent, unnamed, with_attributes
+from cast_core.csg.vocab import (
     ALSO_NOUNS,
     AMBIGUOUS_COMPOUND_NOUNS,
     ATTRIBUTE_KIND,
@@ -565,7 +565,7 @@ def _no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None,
     if unknown:
         return (f"{unknown} before the noun {head!r} in {text!r} is not an attribute word the "
                 f"offline parser knows ({', '.join(ATTRIBUTE_KINDS)}) nor part of a known noun; "
-                f"add it to cast_core/csg_vocabulary.json, give the parser a noun list, or {_LLM}")
+                f"add it to cast_core/csg/vocabulary.json, give the parser a noun list, or {_LLM}")
     if extra:
         return (f"noun phrase {text!r} gives an attribute kind twice: {extra} repeats a kind "
                 f"already given; one value per kind ({_LLM})")

@@ -3,7 +3,7 @@
 Both implement `ChatClient.complete(messages) -> str`: the messages are OpenAI-style
 {"role", "content"} dicts (system, then alternating user/assistant turns, ending with a user
 turn) and the reply is the assistant's text. Decoding is greedy (temperature 0) so one prompt
-gives one answer; the builder in `cast_core.csg_llm` owns validation and retries.
+gives one answer; the builder in `cast_core.csg.llm` owns validation and retries.
 
 - `ChatEndpointClient` POSTs to `{base_url}/chat/completions` (vLLM, SGLang, Ollama, any OpenAI
   protocol server; `base_url` includes the version prefix, e.g. "http://host:8000/v1"). It uses

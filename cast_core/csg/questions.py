@@ -20,8 +20,8 @@ chairs"); with colour as the only attribute these are the GenEval-era questions 
 
 from __future__ import annotations
 
-from cast_core.csg import Atom, ObjectNode, RelationEdge
-from cast_core.csg_vocab import MATERIAL_SUBSTANCE, pluralize
+from cast_core.csg.graph import Atom, ObjectNode, RelationEdge
+from cast_core.csg.vocab import MATERIAL_SUBSTANCE, pluralize
 
 NUMBER_NAMES: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven",
                                  "eight", "nine", "ten")

@@ -1,6 +1,6 @@
 """The offline parser's words: attribute classes, relation phrases, multi-word nouns, plurals.
 
-The closed classes live in `csg_vocabulary.json` next to this file (its `_source` says where they
+The closed classes live in `vocabulary.json` next to this file (its `_source` says where they
 come from); this module loads them once into read-only constants and checks that no word belongs
 to two attribute kinds. A word is an attribute only when that file lists it, and a noun may be more
 than one word only when it is listed there as a compound noun (or given to the parser as a noun
@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from types import MappingProxyType
 
-_DATA = json.loads((Path(__file__).with_name("csg_vocabulary.json")).read_text(encoding="utf-8"))
+_DATA = json.loads((Path(__file__).with_name("vocabulary.json")).read_text(encoding="utf-8"))
 
 ATTRIBUTE_KINDS: tuple[str, ...] = tuple(_DATA["attribute_kinds"])
 MATERIAL_SUBSTANCE = MappingProxyType(dict(_DATA["attributes"]["material"]))
@@ -49,7 +49,7 @@ def _attribute_kinds() -> dict[str, str]:
     for kind in ATTRIBUTE_KINDS:
         for word in _DATA["attributes"][kind]:
             if word in kind_of:
-                raise ValueError(f"csg_vocabulary.json lists {word!r} as both {kind_of[word]!r} "
+                raise ValueError(f"vocabulary.json lists {word!r} as both {kind_of[word]!r} "
                                  f"and {kind!r}; keep it in one kind")
             kind_of[word] = kind
     return kind_of
