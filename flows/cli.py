@@ -9,7 +9,7 @@
     cast gc --keep N [--root ROOT] [--run RUN] [--dry-run]
                                      delete old iterations' bulky blobs (tasks.gc)
     cast serve-scorer --scorer soft-tifa --model PATH [--host H --port P --device cuda]
-                                     serve a scorer over HTTP (cast_core.scorers.service)
+                                     serve a scorer over HTTP (flows.scorer_service)
 
 ROOT defaults to $CAST_STORE, else runs/store. `sql` and `tables` open the catalog read-only and
 refresh nothing; `refresh` rebuilds it under the store's lock. Decimal results print as floats.
@@ -65,7 +65,7 @@ _CELL_WIDTH = 60
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve-scorer"]:  # its own CLI, with its own --help
-        from cast_core.scorers.service import main as serve_scorer
+        from flows.scorer_service import main as serve_scorer
 
         return serve_scorer(argv[1:]) or 0
     args = _parser().parse_args(argv)

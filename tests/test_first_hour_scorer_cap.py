@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from cast_core.csg.parser import graph_from_geneval
+from cast_core.scorers.registry import load_scorer
 from cast_core.scorers.remote import RemoteScorer, encode_request, request_image_count
-from cast_core.scorers.service import DEFAULT_MAX_IMAGES, load_scorer, make_app, serve_in_thread
 from cast_core.shapes.prompts import enumerate_prompts
+from flows.scorer_service import DEFAULT_MAX_IMAGES, make_app, serve_in_thread
 
 FAST = {"timeout_s": 5.0, "retries": 0, "backoff_s": 0.01}
 
@@ -92,7 +93,7 @@ def test_image_count_comes_from_the_header_alone(batch):
 
 
 def test_the_cli_refuses_a_cap_below_one():
-    done = subprocess.run([sys.executable, "-m", "cast_core.scorers.service", "--scorer",
+    done = subprocess.run([sys.executable, "-m", "flows.scorer_service", "--scorer",
                            "shapes-verifier", "--max-images", "0"], check=False,
                           cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, timeout=120)

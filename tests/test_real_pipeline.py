@@ -31,7 +31,7 @@ from tiny_models import (
     save_qwen_image_pipeline,
 )
 
-from cast_core.scorers.service import make_app, serve_in_thread
+from flows.scorer_service import make_app, serve_in_thread
 from tasks import models
 from tasks.eval_report import write_report
 from tasks.evaluate_checkpoint import eval_report, evaluate_checkpoint

@@ -25,11 +25,12 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from cast_core.csg.parser import graph_from_geneval
+from cast_core.scorers.registry import ScorerArgs, load_scorer
 from cast_core.scorers.remote import RemoteScorer, RemoteScorerError, encode_request
-from cast_core.scorers.service import ScorerArgs, load_scorer, make_app, serve_in_thread
 from cast_core.shapes.prompts import TAGS, enumerate_prompts
 from cast_core.shapes.render import render, sample_scene
 from cast_core.shapes.verifier import verify
+from flows.scorer_service import make_app, serve_in_thread
 
 FAST = {"timeout_s": 5.0, "retries": 2, "backoff_s": 0.01}
 
@@ -218,7 +219,7 @@ def test_registry_names_what_it_knows():
 def test_cli_prints_url_and_id_and_stops_on_ctrl_c(verifier):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cast_core.scorers.service", "--scorer", "shapes-verifier",
+        [sys.executable, "-m", "flows.scorer_service", "--scorer", "shapes-verifier",
          "--port", "0"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

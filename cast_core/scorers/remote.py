@@ -1,7 +1,7 @@
 """A scorer served elsewhere: the HTTP client, and the wire format it shares with the service.
 
 `RemoteScorer(url)` has the scorer protocol's call signature, `score(images, graphs) -> [(scores
-[A], heatmaps [A, h, w])]`, and forwards each call to a `cast_core.scorers.service` process (one
+[A], heatmaps [A, h, w])]`, and forwards each call to a `flows.scorer_service` process (one
 model on its own GPUs, many pipeline workers). At construction it asks the service's `/health`
 for its scorer id, protocol version and cap on images per request, and refuses a service that is
 unreachable or speaks another protocol; `score` splits a batch larger than the cap into requests

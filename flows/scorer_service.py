@@ -1,7 +1,7 @@
 """The scorer service: any scorer behind HTTP, so one model on its own GPUs serves many workers.
 
-    python -m cast_core.scorers.service --scorer shapes-verifier --host 127.0.0.1 --port 8765
-    python -m cast_core.scorers.service --scorer soft-tifa --model PATH --device cuda
+    cast serve-scorer --scorer shapes-verifier --host 127.0.0.1 --port 8765
+    python -m flows.scorer_service --scorer soft-tifa --model PATH --device cuda
 
 A Starlette app served by uvicorn. GET /health -> {"status": "ok", "scorer_id", "protocol_version",
 "cast_version", "max_images_per_request"}; POST /score takes and returns safetensors bodies (wire
@@ -13,8 +13,8 @@ while a batch is scored, and the cap bounds how long one request holds the lock 
 8000-image request held it for 41 s); an exception in the scorer is a 500 carrying its text.
 
 `make_app(scorer, scorer_id)` serves any scorer object (a `score(images, graphs)` method, or a
-plain callable); `SCORERS` maps a CLI name to a factory, so adding a scorer is one entry there.
-Factories import their model code lazily: the service starts without the heavy dependencies of
+plain callable); the command line serves a scorer of `cast_core.scorers.registry` by name, whose
+factories import their model code lazily: the service starts without the heavy dependencies of
 scorers it does not serve.
 """
 
@@ -26,12 +26,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-from types import MappingProxyType
 
 import torch
 import uvicorn
@@ -41,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from cast_core.scorers.registry import SCORERS, ScorerArgs, load_scorer
 from cast_core.scorers.remote import (
     PROTOCOL_VERSION,
     WireError,
@@ -52,61 +50,6 @@ from cast_core.scorers.remote import (
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
 DEFAULT_MAX_IMAGES = 256
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoadedScorer:
-    """A scorer ready to serve: its id (what score caches key on) and its score function."""
-
-    scorer_id: str
-    score: Callable
-
-
-@dataclass(frozen=True)
-class ScorerArgs:
-    """What a factory may need: a local model folder, the device and dtype to load it with."""
-
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str | None = None
-
-
-def _shapes_verifier(args: ScorerArgs) -> LoadedScorer:
-    from cast_core.shapes.verifier import VerifierConfig, scorer_id, verify
-
-    if args.model is not None:
-        raise ValueError("shapes-verifier is exact and has no model; drop --model")
-    config = VerifierConfig()
-
-    def score(images: torch.Tensor, graphs):
-        return [(s.scores, s.heatmaps) for s in verify(images, graphs, config)]
-
-    return LoadedScorer(scorer_id(config), score)
-
-
-def _soft_tifa(args: ScorerArgs) -> LoadedScorer:
-    from cast_core.scorers.soft_tifa import SoftTifaConfig, SoftTifaScorer
-
-    if args.model is None:
-        raise ValueError("soft-tifa needs --model PATH (a Qwen3-VL folder saved with "
-                         "save_pretrained)")
-    config = SoftTifaConfig()
-    scorer = SoftTifaScorer.from_pretrained(args.model, config, args.device, args.dtype)
-    return LoadedScorer(f"soft-tifa-v1({Path(args.model).resolve().name}, {config})",
-                        scorer.score)
-
-
-SCORERS: MappingProxyType[str, Callable[[ScorerArgs], LoadedScorer]] = MappingProxyType({
-    "shapes-verifier": _shapes_verifier,
-    "soft-tifa": _soft_tifa,
-})
-
-
-def load_scorer(name: str, args: ScorerArgs = ScorerArgs()) -> LoadedScorer:
-    """The scorer registered as `name`, built from `args`."""
-    if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}; known: {sorted(SCORERS)}")
-    return SCORERS[name](args)
 
 
 def cast_version() -> str:
@@ -216,7 +159,7 @@ def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0,
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cast_core.scorers.service",
+    p = argparse.ArgumentParser(prog="python -m flows.scorer_service",
                                 description="Serve a CAST scorer over HTTP.")
     p.add_argument("--scorer", required=True, choices=sorted(SCORERS))
     p.add_argument("--model", default=None, help="local model folder (soft-tifa)")
