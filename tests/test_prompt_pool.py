@@ -13,10 +13,10 @@ from cast_core.shapes.prompts import (
     POOL_SIZE,
     atom_count,
     load_prompt_file,
-    main,
     make_pool,
     scene_key,
 )
+from flows.shapes_prompts import main
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 

@@ -32,19 +32,16 @@ floor(i n / k) of n, i < k); the tags are then interleaved (one of each in turn)
 consecutive pool prompts mixes the tags. A fixed pool is what RL trains on when it should learn
 visibly: every prompt comes back every few iterations (`prompts.selection = "cycle"`).
 
-`main` writes the three split files (python -m cast_core.shapes.prompts --out data/prompts --seed
-0) or the pool (python -m cast_core.shapes.prompts pool --out data/prompts/pool.jsonl); it is the
-one place in this module that does I/O besides `load_prompt_file`.
+The command line that writes the three split files and the pool is `flows.shapes_prompts`
+(python -m flows.shapes_prompts --out data/prompts --seed 0; python -m flows.shapes_prompts pool
+--out data/prompts/pool.jsonl); the only I/O in this module is `load_prompt_file`.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import random
-import sys
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,42 +275,3 @@ def _check_clause(clause: Any, low: int, high: int, keys: set[str]) -> None:
     count = clause.get("count")
     if isinstance(count, bool) or not isinstance(count, int) or not low <= count <= high:
         raise ValueError(f"clause {clause!r}: count must be an int in {low}..{high}")
-
-
-def pool_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cast_core.shapes.prompts pool",
-                                     description="Write the RL training pool (module docstring).")
-    parser.add_argument("--out", type=Path, default=Path("data/prompts/pool.jsonl"))
-    parser.add_argument("--train", type=Path, default=Path("data/prompts/train.jsonl"))
-    parser.add_argument("--held-out", type=Path, nargs="+",
-                        default=[Path("data/prompts/eval.jsonl"), Path("data/prompts/hard.jsonl")])
-    parser.add_argument("--size", type=int, default=POOL_SIZE)
-    args = parser.parse_args(argv)
-    held_out = [r for path in args.held_out for r in load_prompt_file(path)]
-    records = make_pool(load_prompt_file(args.train), held_out, args.size)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    tags = Counter(r["tag"] for r in records)
-    print(f"{args.out}: {len(records)} prompts; " + ", ".join(f"{t} {tags[t]}" for t in HARD_TAGS))
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["pool"]:
-        pool_main(argv[1:])
-        return
-    parser = argparse.ArgumentParser(description="Write the shapes-world prompt splits (or, with "
-                                     "`pool` first, the training pool).")
-    parser.add_argument("--out", type=Path, default=Path("data/prompts"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, records in make_splits(args.seed).items():
-        lines = "".join(json.dumps(r) + "\n" for r in records)
-        (args.out / f"{name}.jsonl").write_text(lines, encoding="utf-8")
-        tags = Counter(r["tag"] for r in records)
-        print(f"{name}: {len(records)} prompts; " + ", ".join(f"{t} {tags[t]}" for t in TAGS))
-
-
-if __name__ == "__main__":
-    main()
