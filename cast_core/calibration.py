@@ -13,8 +13,8 @@ end below 1.
 
 ``calibrate_window`` averages the curves over prompts, finds the structure-formation step with
 ``window.structure_formation_step`` (curvature knee, threshold fallback) and places the SDE window of
-the requested size ending at it (``window.window_from_formation``). ``plot_calibration`` draws it
-for a person to look at.
+the requested size ending at it (``window.window_from_formation``). ``tasks.plots.plot_calibration``
+draws it for a person to look at.
 
 Departures (the CAST paper's code is not public): one seed per prompt; CFG as the backbone applies
 it, so the curve is the guided sampler's; no smoothing beyond the mean over prompts; the spread
@@ -140,51 +140,3 @@ def calibrate_window(
     std = s.std(dim=0, unbiased=False)  # [S]
     return Calibration(formation=formation, window=window, mean_curve=formation.curve,
                        std_curve=std)
-
-
-def plot_calibration(calibration: Calibration, sigmas: Tensor, title: str) -> bytes:
-    """PNG bytes of the mean curve with a ±std band, the formation step and the window shaded.
-
-    sigmas: [S] (``SimilarityCurves.sigmas``) or the schedule [S + 1]; the top axis labels step k
-    with t_k. Uses matplotlib's Agg canvas directly (no pyplot state, no file).
-    """
-    import io
-
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    mean = calibration.mean_curve.double().numpy()
-    std = calibration.std_curve.double().numpy()
-    steps = np.arange(len(mean))
-    t = torch.as_tensor(sigmas, dtype=torch.float64).numpy()
-    if len(t) not in (len(mean), len(mean) + 1):
-        raise ValueError(f"sigmas must have {len(mean)} or {len(mean) + 1} entries; got {len(t)}")
-    point, window = calibration.formation, calibration.window
-    fig = Figure(figsize=(7.0, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.axvspan(window.start - 0.5, window.end - 0.5, color="tab:orange", alpha=0.2,
-               label=f"SDE window [{window.start}, {window.end})")
-    ax.fill_between(steps, mean - std, mean + std, color="tab:blue", alpha=0.25,
-                    label="± std over prompts")
-    ax.plot(steps, mean, color="tab:blue", marker="o", markersize=3, label="mean similarity")
-    ax.axvline(point.step, color="tab:red", linestyle="--",
-               label=f"formation step {point.step} ({point.method_used})")
-    ax.set_xlim(-0.5, len(mean) - 0.5)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("denoising step k")
-    ax.set_ylabel("cos(e(x0_hat_k), e(x_final))")
-    ax.legend(loc="lower right", fontsize=8)
-    top = ax.twiny()
-    top.set_xlim(ax.get_xlim())
-    ticks = np.unique(np.linspace(0, len(mean) - 1, min(len(mean), 6)).round().astype(int))
-    top.set_xticks(ticks)
-    top.set_xticklabels([f"{t[k]:.2f}" for k in ticks])
-    top.set_xlabel("sigma t_k")
-    fig.suptitle(title)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()

@@ -45,7 +45,6 @@ noise seeds; gains over the full schedule, restricted to a window afterwards.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import get_args
@@ -285,33 +284,3 @@ def static_weights(budgets: Mapping[str, float], num_steps: int,
     lam = torch.tensor([float(v) for v in budgets.values()], dtype=torch.float64)  # [R]
     rows = (lam / _budget_scale(lam))[:, None].expand(-1, num_steps)  # [R, K]
     return _by_type(tuple(budgets), rows, types)
-
-
-def plot_recast_gains(result: RecastGains, title: str) -> bytes:
-    """PNG bytes: heatmaps of the normalised gains and of W (rewards x steps, sigma on the x
-    ticks), each cell annotated. Matplotlib's Agg canvas directly (no pyplot state, no file)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    S = result.sigmas.shape[0]
-    fig = Figure(figsize=(4.0 + 1.4 * S, 1.6 + 0.5 * len(result.rewards)), dpi=100)
-    FigureCanvasAgg(fig)
-    panels = ((result.normalised, "normalised gain g~[k, t]", "{:.2f}"),
-              (result.W, "Sinkhorn plan W[k, t]", "{:.3f}"))
-    for i, (values, label, fmt) in enumerate(panels):
-        ax = fig.add_subplot(1, 2, i + 1)
-        grid = values.double().numpy()
-        image = ax.imshow(grid, cmap="viridis", aspect="auto")
-        for (r, c), value in np.ndenumerate(grid):
-            ax.text(c, r, fmt.format(value), ha="center", va="center", fontsize=7,
-                    color="white" if value < grid.mean() else "black")
-        ax.set_xticks(range(S), [f"{float(t):.2f}" for t in result.sigmas], fontsize=7)
-        ax.set_yticks(range(len(result.rewards)), result.rewards)
-        ax.set_xlabel("sigma t (step 0 = noise)")
-        ax.set_title(label, fontsize=9)
-        fig.colorbar(image, ax=ax, fraction=0.04)
-    fig.suptitle(f"{title} (alpha={result.alpha:g}, tau={result.tau:g})", fontsize=10)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()

@@ -17,9 +17,10 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 
 from cast_core.calibration import calibrate_window as calibrate
-from cast_core.calibration import plot_calibration, similarity_curves
+from cast_core.calibration import similarity_curves
 from cast_core.window import fixed_window
 from tasks.models import base_hash, load_base, set_threads
+from tasks.plots import plot_calibration
 from tasks.progress import stage_progress
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe

@@ -176,8 +176,9 @@ def _atom_type_plot(rows: list[dict], first: int, last: int) -> bytes:
 
 
 def _calibration_plot(curve: list[dict], window: dict) -> bytes:
-    from cast_core.calibration import Calibration, plot_calibration
+    from cast_core.calibration import Calibration
     from cast_core.window import FormationPoint, SdeWindow
+    from tasks.plots import plot_calibration
 
     mean = torch.tensor([r["similarity_mean"] for r in curve], dtype=torch.float64)
     std = torch.tensor([r["similarity_std"] for r in curve], dtype=torch.float64)

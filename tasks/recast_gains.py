@@ -47,7 +47,6 @@ from cast_core.recast_gains import (
     ATOM_TYPES,
     RecastGains,
     atom_type_statistics,
-    plot_recast_gains,
     policy_statistics,
     positive_statistics,
     restrict_to_window,
@@ -59,6 +58,7 @@ from cast_core.recast_gains import (
 )
 from cast_core.shapes.render import render, sample_scene
 from tasks.models import base_hash, load_base, load_policy, scorer, scorer_id, set_threads
+from tasks.plots import plot_recast_gains
 from tasks.policy_state import policy_for
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe

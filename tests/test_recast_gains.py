@@ -16,7 +16,6 @@ from cast_core.recast_gains import (
     ATOM_TYPES,
     StepStatistics,
     atom_type_statistics,
-    plot_recast_gains,
     policy_statistics,
     positive_statistics,
     recast_gains,
@@ -25,6 +24,7 @@ from cast_core.recast_gains import (
 from cast_core.shapes.prompts import make_record
 from cast_core.shapes.verifier import verify
 from tasks.models import load_policy, lora_tensors
+from tasks.plots import plot_recast_gains
 from tasks.recast_gains import (
     PositiveFolderError,
     RecastConfig,
