@@ -31,7 +31,6 @@ from torch import Tensor
 
 from cast_core.sampling import encode_conditioning, ode_trajectory
 from cast_core.sde import ode_step, tweedie_x0
-from cast_core.shapes.embedder import cosine_similarity
 from cast_core.window import (
     FormationMethod,
     FormationPoint,
@@ -59,6 +58,22 @@ class Calibration:
     window: SdeWindow
     mean_curve: Tensor
     std_curve: Tensor
+
+
+def cosine_similarity(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise cosine a_i . b_i / sqrt(|a_i|^2 |b_i|^2) in float64. a, b: [N, D] -> [N].
+
+    Written as dot / sqrt(aa * bb) so that cos(e, e) is exactly 1 (sqrt(fl(q^2)) = q in IEEE
+    arithmetic). A zero row has no direction: it gives NaN, never a silent 0.
+    """
+    if a.dim() != 2 or a.shape != b.shape:
+        raise ValueError(
+            "a and b must both have shape [N, D]; "
+            f"got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    a64, b64 = a.double(), b.double()
+    dot = (a64 * b64).sum(dim=1)
+    return dot / torch.sqrt((a64 * a64).sum(dim=1) * (b64 * b64).sum(dim=1))
 
 
 @torch.no_grad()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
-from cast_core.calibration import calibrate_window, similarity_curves
-from cast_core.shapes.embedder import CLASSES, LayoutEmbedder, cosine_similarity
+from cast_core.calibration import calibrate_window, cosine_similarity, similarity_curves
+from cast_core.shapes.embedder import CLASSES, LayoutEmbedder
 from cast_core.shapes.render import Shape, render
 from cast_core.shapes.world import BACKGROUND_RGB, COLORS, PALETTE_RGB
 from cast_core.window import SdeWindow

@@ -12,9 +12,8 @@ from tiny_models import CLIP_CROP, CLIP_PROCESSOR, CLIP_SIZE, save_clip, tiny_cl
 from transformers import CLIPImageProcessorPil, CLIPModel, CLIPVisionConfig, CLIPVisionModel
 from transformers.image_transforms import get_resize_output_image_size
 
-from cast_core.calibration import similarity_curves
+from cast_core.calibration import cosine_similarity, similarity_curves
 from cast_core.clip_embedder import ClipEmbedder, ClipPreprocess, resolve_checkpoint
-from cast_core.shapes.embedder import cosine_similarity
 
 SIZE, CROP = CLIP_SIZE, CLIP_CROP  # shortest edge after resize, then the center crop
 PROCESSOR = CLIP_PROCESSOR

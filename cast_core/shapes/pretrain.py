@@ -13,13 +13,26 @@ sees the same batches as an uninterrupted one.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.shapes.render import render, sample_scene
+
+
+class FlowModel(Protocol):
+    """What pre-training (and `cast_core.shapes.sensitivity`) needs of a model: the shapes
+    backbone, `cast_core.backbones.shapes.ShapesBackbone`. Typed by its members, so that the shapes
+    world does not import its backbone adapter (which imports the world)."""
+
+    def encode_prompts(self, prompts: list[str]) -> Any: ...
+
+    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
 
 @dataclass(frozen=True)
@@ -113,7 +126,7 @@ def sample_t(batch_size: int, uniform_fraction: float, generator: torch.Generato
     return (shift * t / (1 + (shift - 1) * t)).clamp(1e-4, 1 - 1e-4)
 
 
-def flow_matching_loss(model: ShapesBackbone, batch: Batch, t: torch.Tensor,
+def flow_matching_loss(model: FlowModel, batch: Batch, t: torch.Tensor,
                        eps: torch.Tensor) -> torch.Tensor:
     """Mean squared error of the predicted velocity against v = eps - x0 at x_t."""
     t4 = t.view(-1, 1, 1, 1)
@@ -122,7 +135,7 @@ def flow_matching_loss(model: ShapesBackbone, batch: Batch, t: torch.Tensor,
     return torch.nn.functional.mse_loss(v_hat, eps - batch.x0)
 
 
-def train_step(model: ShapesBackbone, optimizer: torch.optim.Optimizer, batch: Batch,
+def train_step(model: FlowModel, optimizer: torch.optim.Optimizer, batch: Batch,
                config: PretrainConfig, step: int) -> tuple[float, float]:
     """One optimisation step; returns (loss, grad norm)."""
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
@@ -139,11 +152,11 @@ def train_step(model: ShapesBackbone, optimizer: torch.optim.Optimizer, batch: B
 
 
 @torch.no_grad()
-def ema_update(ema: ShapesBackbone, model: ShapesBackbone, decay: float) -> None:
+def ema_update(ema: FlowModel, model: FlowModel, decay: float) -> None:
     for p_ema, p in zip(ema.parameters(), model.parameters(), strict=True):
         p_ema.lerp_(p.detach(), 1.0 - decay)
 
 
-def make_optimizer(model: ShapesBackbone, config: PretrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: FlowModel, config: PretrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99),
                              weight_decay=config.weight_decay)

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cast_core.backbones.shapes import ShapesBackbone
-from cast_core.shapes.pretrain import Batch, flow_matching_loss
+from cast_core.shapes.pretrain import Batch, FlowModel, flow_matching_loss
 from cast_core.shapes.render import render, sample_scene
 from cast_core.shapes.world import COLORS, SHAPES
 
@@ -80,7 +79,7 @@ class SensitivityRow:
 
 
 @torch.no_grad()
-def word_sensitivity(backbone: ShapesBackbone, records: list[dict],
+def word_sensitivity(backbone: FlowModel, records: list[dict],
                      ts: tuple[float, ...] = (0.9, 0.8, 0.7, 0.5, 0.3), scenes: int = 128,
                      seed: int = 0, word_types: tuple[str, ...] = WORD_TYPES,
                      ) -> list[SensitivityRow]:
