@@ -503,7 +503,8 @@ def test_pool_file_takes_the_pools_first_prompts(tmp_path):
 
 def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch):
     """The default protocol is the CFG-1, 8-prompt, lr-4e-4 one that reports/cfg1-pool8-40it-lr4e-4
-    ran; --quick keeps the recipes' settings; every flag overrides its field."""
+    ran; --quick is its footing for Flow-GRPO alone at QUICK's size with the KL-targeted lr;
+    every flag overrides its field."""
     seen = {}
 
     def fake_run(size, store, report, prefix, threads, command, suite, lr, only, **kw):
@@ -518,7 +519,9 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch):
     assert seen["report"] == "reports/cfg1-pool8-40it-lr4e-4" and seen["jobs"] == 1
     bm.main(["--quick"])
     assert seen["size"] == bm.QUICK and seen["only"] == [bm.BASELINE]
-    assert (seen["guidance"], seen["pool_prompts"], seen["lr"]) == (None, None, None)
+    assert (seen["guidance"], seen["pool_prompts"], seen["lr"], seen["kl_target"]) == (
+        1.0, 8, 1e-3, 0.03)
+    assert seen["store"] == "runs/bench-methods-quick/store" and seen["quick"]
     bm.main(["--protocol", "recipes"])
     assert seen["size"] == bm.FULL and seen["report"] == "reports/cast-vs-flowgrpo"
     bm.main(["--lr", "1e-3", "--guidance", "2", "--iterations", "5", "--jobs", "2"])
