@@ -882,6 +882,7 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     from bench_report import write_report
 
     from tasks.prompt_sets import load_prompts
+    from tasks.run_pin import pin_recipe
     from tasks.store import Store
 
     start, store = time.perf_counter(), Store(store_dir)
@@ -901,6 +902,8 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     for x in seeds:
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
     check_paired_evals([base, *recipes.values()], passes)
+    for r in recipes.values():  # a run name reused with another recipe (another --lr, say) is
+        pin_recipe(store, r)    # refused here, before any work mixes two recipes in one run
     refs = {base.run.name: evaluate_base(store, base, passes)}
     order = [recipes[(arm_defs[(i + x) % len(arm_defs)].name, x)]  # rotate the order per seed
              for x in seeds for i in range(len(arm_defs))]

@@ -467,6 +467,14 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
     rs = out["recast"]
     weights = rs.weights["static-skewed"]
     assert weights["count"][0] == pytest.approx(2 * weights["object"][0])
+    # the same run names with another recipe are refused before any stage runs
+    from tasks.run_pin import RecipeMismatch
+
+    before = sorted(p.name for p in (tmp_path / "store").rglob("*.parquet"))
+    with pytest.raises(RecipeMismatch, match="train.lr"):
+        bm.run_benchmark(size, tmp_path / "store", tmp_path / "report2", "tiny", threads=1,
+                         only=["flowgrpo"], lr=3e-4)
+    assert sorted(p.name for p in (tmp_path / "store").rglob("*.parquet")) == before
 
 
 def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
