@@ -409,11 +409,12 @@ def held_out_files(store, size: Size) -> dict[str, str]:
 
 def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
                lr: float | None = None, guidance: float | None = None, pool: str = POOL,
-               kl_target: float | None = None):
+               kl_target: float | None = None, settings: dict | None = None):
     """The arm's training recipe at this size and seed, run `name`, on the pool with "cycle"
     (`lr`, when given, replaces the learning rate; `guidance` the CFG scale of the rollouts and
     of every evaluation; `pool` another training pool file; `kl_target` sets
-    `train.kl_target_nats`)."""
+    `train.kl_target_nats`; `settings` {dotted key: value} are set on every arm after its own
+    overrides, as `--set` does)."""
     from tasks.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
@@ -422,7 +423,8 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
              "train.kl_target_nats": kl_target}
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
-        "run.name": name, "run.seed": seed, "prompts.train": pool, "prompts.selection": "cycle"})
+        **(settings or {}), "run.name": name, "run.seed": seed, "prompts.train": pool,
+        "prompts.selection": "cycle"})
 
 
 def check_equal_budget(recipes: list) -> None:
@@ -875,7 +877,7 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
                   lr: float | None = None, only: list[str] | None = None,
                   quick: bool = False, guidance: float | None = None,
                   pool_prompts: int | None = None, jobs: int = 1,
-                  kl_target: float | None = None) -> dict:
+                  kl_target: float | None = None, settings: dict | None = None) -> dict:
     """Train every arm x seed with its probes, evaluate finals and base, summarise from the
     store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
     "wall_s"}."""
@@ -890,7 +892,7 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     names = [a.name for a in arm_defs]
     pool = pool_file(store, pool_prompts)
     recipes = {(a.name, x): recipe_for(a, x, size, run_name(prefix, a.name, x), threads, lr,
-                                       guidance, pool, kl_target)
+                                       guidance, pool, kl_target, settings)
                for a in arm_defs for x in seeds}
     pool_size = len(load_prompts(recipes[(BASELINE, 0)], pool))
     if size.per_iteration > pool_size:
@@ -898,7 +900,7 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
                          f"prompts ({pool}); set --per-iteration <= {pool_size}")
     passes = eval_passes(size, held_out_files(store, size), pool)
     base = recipe_for(arm_defs[0], 0, size, f"{prefix}-base", threads, lr, guidance, pool,
-                      kl_target)
+                      kl_target, settings)
     for x in seeds:
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
     check_paired_evals([base, *recipes.values()], passes)
@@ -938,6 +940,26 @@ def _protocol_from_args(args) -> Protocol:
                    pool_prompts=p.pool_prompts if args.pool_prompts is None else args.pool_prompts,
                    lr=p.lr if args.lr is None else args.lr,
                    kl_target=p.kl_target if args.kl_target is None else args.kl_target)
+
+
+def parse_settings(pairs: list[str]) -> dict:
+    """["train.lora_rank=32", "window.start=2", ...] -> {dotted key: value}; each VALUE is read
+    as JSON (numbers, true/false, lists, quoted text), else kept as text. The recipe loader
+    checks the keys and values."""
+    import json
+
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip() or "." not in key:
+            raise ValueError(f"--set takes SECTION.FIELD=VALUE (e.g. train.lora_rank=32); "
+                             f"got {pair!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
 
 
 def _size_from_args(args, size: Size) -> Size:
@@ -983,6 +1005,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="CFG scale of every arm's rollouts and of every evaluation (1: a "
                              "CFG-free policy, trained and judged without guidance; see "
                              "reports/learning-probes section 6; use its own --store)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a recipe field on every arm and the base, after the arms' own "
+                             "overrides (repeatable; VALUE read as JSON, else as text), e.g. "
+                             "--set train.lora_rank=32: one lever at a time for the methods "
+                             "together; use its own --store")
     for flag in ("seeds", "iterations", "per-iteration", "group-size", "probe-images",
                  "pool-images", "hard-images", "eval-images", "held-out-prompts"):
         parser.add_argument(f"--{flag}", type=int, default=None,
@@ -996,6 +1023,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--jobs must be >= 1; got {args.jobs}")
     if args.guidance is not None and not args.guidance >= 1.0:
         parser.error(f"--guidance must be >= 1 (1 is no guidance); got {args.guidance}")
+    try:
+        settings = parse_settings(args.set)
+    except ValueError as e:
+        parser.error(str(e))
     protocol = _protocol_from_args(args)
     size = protocol.size
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
@@ -1013,12 +1044,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"protocol: {protocol.about} -> "
           f"{size}, CFG {protocol.guidance or 'of the recipes'}, pool prompts "
           f"{protocol.pool_prompts or 'all'}, lr {protocol.lr or 'of the recipes'}"
-          f"{f', KL target {protocol.kl_target:g} nats' if protocol.kl_target else ''}; store "
+          f"{f', KL target {protocol.kl_target:g} nats' if protocol.kl_target else ''}"
+          f"{f', set {settings}' if settings else ''}; store "
           f"{store}, report {report}", flush=True)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
                   command.strip(), args.suite, protocol.lr, only, quick=args.quick,
                   guidance=protocol.guidance, pool_prompts=protocol.pool_prompts, jobs=args.jobs,
-                  kl_target=protocol.kl_target)
+                  kl_target=protocol.kl_target, settings=settings)
 
 
 if __name__ == "__main__":

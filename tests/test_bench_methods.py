@@ -187,6 +187,26 @@ def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
     assert recipes[bm.arms()[1].name].sampling.guidance_scale == 4.0
 
 
+
+def test_set_puts_one_lever_on_every_arm_after_its_overrides():
+    settings = bm.parse_settings(["train.lora_rank=32", "train.lora_alpha=32.0",
+                                  "window.size=4", "sampling.sde_kind=cps"])
+    assert settings == {"train.lora_rank": 32, "train.lora_alpha": 32.0, "window.size": 4,
+                        "sampling.sde_kind": "cps"}
+    recipes = [bm.recipe_for(a, 0, bm.QUICK, f"t-{a.name}", 1, settings=settings)
+               for a in bm.arms("main")]
+    for r in recipes:
+        assert (r.train.lora_rank, r.train.lora_alpha, r.window.size) == (32, 32.0, 4)
+    bm.check_equal_budget(recipes)  # the same lever on every arm keeps them at equal budget
+    late = next(a for a in bm.arms() if a.name == "cast-late-window")
+    assert bm.recipe_for(late, 0, bm.QUICK, "t-late", 1,
+                         settings={"window.start": 2}).window.start == 2  # --set wins
+    for bad in (["lora_rank=32"], ["train.lora_rank"], ["=3"]):
+        with pytest.raises(ValueError, match="SECTION.FIELD=VALUE"):
+            bm.parse_settings(bad)
+    with pytest.raises(Exception, match="lora_rank"):  # the recipe loader checks the value
+        bm.recipe_for(bm.arms()[0], 0, bm.QUICK, "t-bad", 1, settings={"train.lora_rank": 0})
+
 def test_suites_and_arm_selection():
     assert [a.name for a in bm.arms("main")] == ["flowgrpo", "cast"]
     ablations = {a.name for a in bm.arms("ablations")}
