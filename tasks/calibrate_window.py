@@ -14,7 +14,6 @@ calibration prompts' hash and the embedder spec.
 
 from __future__ import annotations
 
-import pyarrow.parquet as pq
 
 from cast_core.calibration import calibrate_window as calibrate
 from cast_core.calibration import similarity_curves
@@ -116,7 +115,7 @@ def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
 
 def read_window(store: Store, ref: StageRef) -> dict:
     """The windows row a calibrate_window call wrote."""
-    rows = pq.read_table(store.resolve(ref.path_with("/windows/"))).to_pylist()
+    rows = store.read_output(ref, "windows").to_pylist()
     return rows[0]
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import get_args
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 
@@ -86,7 +85,7 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
         g = recipe.prompts.group_size
         prompt_ids = [samples[i]["prompt_id"] for i in range(0, len(samples), g)]
         b = len(prompt_ids)
-        table = pq.read_table(store.resolve(scores.path_with("/atom_scores/")))
+        table = store.read_output(scores, "atom_scores")
         by_key = {}
         for r in table.to_pylist():
             by_key.setdefault((r["prompt_id"], r["sample_index"]), []).append(r)

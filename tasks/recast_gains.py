@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from PIL import Image, ImageOps
 
@@ -272,7 +271,7 @@ def recast_gains(store: Store, recipe: Recipe, iteration: int,
 
 def read_recast_gains(store: Store, ref: StageRef) -> RecastGains:
     """The RecastGains a recast_gains call wrote (for `restrict_to_window` in the trainer)."""
-    rows = pq.read_table(store.resolve(ref.path_with("/recast_gains/"))).to_pylist()
+    rows = store.read_output(ref, "recast_gains").to_pylist()
     rewards = tuple(dict.fromkeys(r["reward"] for r in rows))
     steps = sorted({r["step"] for r in rows})
     cell = {(r["reward"], r["step"]): r for r in rows}

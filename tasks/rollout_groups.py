@@ -24,7 +24,6 @@ import hashlib
 import io
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from cast_core.rollout import RolloutSpec, rollout
@@ -50,7 +49,7 @@ def cycle_positions(iteration: int, b: int, p: int) -> list[int]:
 
 def select_prompts(store: Store, recipe: Recipe, csgs: StageRef, iteration: int) -> list[dict]:
     """The iteration's B prompt rows (prompt_id, prompt, tag, graph_json) in draw order."""
-    rows = pq.read_table(store.resolve(csgs.path_with("/csgs/"))).to_pylist()  # file order
+    rows = store.read_output(csgs, "csgs").to_pylist()  # file order
     b = recipe.prompts.per_iteration
     if b > len(rows):
         raise ValueError(f"prompts.per_iteration = {b} exceeds the {len(rows)} prompts of "

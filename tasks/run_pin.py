@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import pyarrow.parquet as pq
 
 from tasks.recipe import Recipe
 from tasks.stage import code_version
@@ -83,7 +82,7 @@ def read_pin(store: Store, run_id: str) -> RunPin | None:
             f"{path}: the recipe pin of run {run_id!r} is damaged (not a readable Parquet file); "
             f"restore it from a backup, or delete it to pin the run to the recipe of its next "
             f"iteration (nothing then checks that the earlier iterations used the same one)")
-    row = pq.read_table(path).to_pylist()[0]
+    row = store.read_table(TABLE, {"run_id": run_id}).to_pylist()[0]
     return RunPin(row["run_id"], row["recipe_hash"], json.loads(row["pinned_json"]),
                   row["pinned_at"], created=False)
 

@@ -10,7 +10,6 @@ Cached on the rollout's content hash (which covers every image hash), the CSGs a
 from __future__ import annotations
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from cast_core.csg.graph import SceneGraph
@@ -23,7 +22,7 @@ STAGE = "score_atoms"
 
 
 def load_rollout_rows(store: Store, rollouts: StageRef) -> list[dict]:
-    rows = pq.read_table(store.resolve(rollouts.path_with("/rollouts/"))).to_pylist()
+    rows = store.read_output(rollouts, "rollouts").to_pylist()
     return sorted(rows, key=lambda r: r["blob_index"])
 
 
@@ -40,8 +39,7 @@ def score_in_chunks(score: Scorer, images: torch.Tensor, graphs: list[SceneGraph
 
 def load_graphs(store: Store, csgs: StageRef) -> dict[str, str]:
     """{prompt_id: graph JSON} of the run's CSGs."""
-    rows = pq.read_table(store.resolve(csgs.path_with("/csgs/")),
-                         columns=["prompt_id", "graph_json"]).to_pylist()
+    rows = store.read_output(csgs, "csgs", ["prompt_id", "graph_json"]).to_pylist()
     return {r["prompt_id"]: r["graph_json"] for r in rows}
 
 

@@ -49,7 +49,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from tasks.schemas import TABLES, conform, table_spec, view_sql
+from tasks.schemas import TABLES, SchemaError, conform, table_spec, view_sql
 
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]*")
 _STAGE = re.compile(r"[a-z][a-z0-9_]*")
@@ -146,6 +146,29 @@ class Store:
                           f"verify --root {self.root}` to see what wrote it and how to rebuild it",
                           DamagedPartWarning, stacklevel=2)
         return _read_parts([f for f in files if f not in damaged], schema, filters)
+
+    def read_output(self, ref: Any, table: str, columns: Sequence[str] | None = None) -> pa.Table:
+        """The one part of `table` that stage `ref` (a StageRef, or anything with `path_with`)
+        wrote, in file order, with `columns` (None: all) checked against the declared schema:
+        every column must be declared, and stored with its declared type. The only way stages
+        read each other's outputs (SchemaError names the table, the part and what differs)."""
+        spec = table_spec(table)
+        wanted = list(spec.schema.names if columns is None else columns)
+        unknown = [c for c in wanted if c not in spec.schema.names]
+        if unknown:
+            raise SchemaError(f"table {table!r} declares no columns {unknown}; the declared "
+                              f"columns (tasks/schemas.py) are {spec.schema.names}")
+        path = self.resolve(ref.path_with(f"/{table}/"))
+        stored = pq.read_schema(path)
+        differ = [(c, str(stored.field(c).type) if c in stored.names else "missing",
+                   str(spec.schema.field(c).type)) for c in wanted
+                  if c not in stored.names or stored.field(c).type != spec.schema.field(c).type]
+        if differ:
+            raise SchemaError(f"{path}: the {table!r} part of stage {getattr(ref, 'stage', '?')!r}"
+                              f" does not match the declared schema (column, stored, declared): "
+                              f"{differ}; it was written by another schema version; rerun the "
+                              f"stage (`cast verify` names it)")
+        return pq.read_table(path, columns=wanted)
 
     def put_blob(self, data: bytes, ext: str) -> BlobRef:
         """Store bytes at `blobs/<hh>/<sha256>.<ext>`; the same bytes always give the same ref."""

@@ -48,7 +48,6 @@ import json
 import logging
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
@@ -139,22 +138,21 @@ def _stage_seconds(store: Store, run_id: str, iteration: int) -> str:
 def _iteration_stats(store: Store, scores: StageRef, advantages: StageRef,
                      std_floor: float) -> tuple[dict, RewardAlarm]:
     """(mean score per atom type and the zero-variance fraction, the constant-reward alarm)."""
-    table = pq.read_table(store.resolve(scores.path_with("/atom_scores/")),
-                          columns=["prompt_id", "atom_id", "atom_type", "score"]).to_pylist()
+    table = store.read_output(scores, "atom_scores",
+                              ["prompt_id", "atom_id", "atom_type", "score"]).to_pylist()
     out = {}
     for kind in ATOM_TYPES:
         values = [r["score"] for r in table if r["atom_type"] == kind]
         out[f"reward_{kind}"] = sum(values) / len(values) if values else None
-    adv = pq.read_table(store.resolve(advantages.path_with("/advantages/")),
-                        columns=["prompt_id", "atom_id", "zero_variance"]).to_pylist()
+    adv = store.read_output(advantages, "advantages",
+                            ["prompt_id", "atom_id", "zero_variance"]).to_pylist()
     groups = {(r["prompt_id"], r["atom_id"]): r["zero_variance"] for r in adv}
     out["zero_variance_fraction"] = sum(groups.values()) / max(1, len(groups))
     types = {(r["prompt_id"], r["atom_id"]): r["atom_type"] for r in table}
     by_type: dict[str, list[bool]] = {}
     for key, flag in sorted(groups.items()):
         by_type.setdefault(types[key], []).append(flag)
-    rewards = pq.read_table(store.resolve(advantages.path_with("/advantage_maps/")),
-                            columns=["reward"])["reward"].to_pylist()
+    rewards = store.read_output(advantages, "advantage_maps", ["reward"])["reward"].to_pylist()
     alarm = constant_reward_alarm({k: torch.tensor(v) for k, v in by_type.items()},
                                   torch.tensor(rewards, dtype=torch.float64), std_floor)
     return out, alarm
@@ -301,9 +299,8 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         spec = rollout_spec(recipe, {"window_start": window.start, "window_end": window.end})
         texts = {pid: json.loads(g)["prompt"] for pid, g in load_graphs(store, csgs).items()}
         prompts = [texts[r["prompt_id"]] for r in rows]
-        adv_blob = store.get_tensors(pq.read_table(store.resolve(
-            advantages.path_with("/advantage_maps/")), columns=["map_path"])["map_path"][0]
-            .as_py())
+        adv_blob = store.get_tensors(store.read_output(advantages, "advantage_maps",
+                                                       ["map_path"])["map_path"][0].as_py())
         adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
         config = PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range,
                               kl_beta=tr.kl_beta, inner_epochs=tr.inner_epochs,

@@ -162,6 +162,32 @@ def test_read_table_filters(tmp_path):
     assert store.read_table("atoms", pc.field("atom_index") >= 1).num_rows == 3
 
 
+
+def test_read_output_reads_a_stages_own_part_in_file_order_and_checks_the_schema(tmp_path):
+    from tasks.stage import StageRef
+
+    store = Store(tmp_path)
+    rows = [_atom_row("p", i) for i in (2, 0, 1)]
+    mine = store.write_table("atoms", rows, part="mine")
+    store.write_table("atoms", [_atom_row("q", 5)], part="other")  # another stage's part
+    ref = StageRef("build_csgs", 0, "k", "h", 3, (mine.path,), False, 0.0)
+    got = store.read_output(ref, "atoms", ["atom_id", "atom_index"])
+    assert got.column_names == ["atom_id", "atom_index"]
+    assert got["atom_index"].to_pylist() == [2, 0, 1]  # file order, this part only
+    assert store.read_output(ref, "atoms").num_rows == 3
+    with pytest.raises(SchemaError, match="declares no columns \\['colour'\\]"):
+        store.read_output(ref, "atoms", ["atom_id", "colour"])
+    with pytest.raises(KeyError, match="outputs matching '/csgs/'"):
+        store.read_output(ref, "csgs")
+    # a part written under another schema (atom_index as text): named, not read as if right
+    legacy = pa.table({**{k: [v] for k, v in _atom_row("p", 0).items()}, "atom_index": ["0"]})
+    odd = tmp_path / "tables" / "atoms" / "legacy.parquet"
+    pq.write_table(legacy, odd)
+    old = StageRef("build_csgs", 0, "k", "h", 1, (str(odd.relative_to(tmp_path)),), False, 0.0)
+    with pytest.raises(SchemaError, match="atom_index.*string.*int32"):
+        store.read_output(old, "atoms")
+    assert store.read_output(old, "atoms", ["atom_id"]).num_rows == 1  # other columns still read
+
 def test_put_tensors_is_content_addressed_idempotent_and_exact(tmp_path):
     import torch
 
