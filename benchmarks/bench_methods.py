@@ -1,20 +1,22 @@
 """Benchmark: CAST against Flow-GRPO on the shapes world, trained on a fixed prompt pool, with
 learning curves, paired final evaluations and sample efficiency.
 
-    .venv/bin/python benchmarks/bench_methods.py [--quick] [--protocol cfg1-pool8|recipes|quick]
+    .venv/bin/python benchmarks/bench_methods.py [--quick] [--protocol NAME]
         [--suite main|ablations|recast|nft] [--arms A,B] [--store DIR] [--report-dir DIR]
         [--jobs N] [--threads N] [--lr LR] [--guidance G] [--pool-prompts N] [--seeds N]
-        [--iterations N] [--per-iteration B] [--group-size G] [--probe-images N]
+        [--iterations N] [--per-iteration B] [--group-size G] [--probe-images N] [--set K=V]
         [--pool-images N] [--hard-images N] [--eval-images N] [--held-out-prompts N]
 
-Protocols (`PROTOCOLS`; every flag overrides its field). The default, `cfg1-pool8`: CFG 1 for
-every rollout and evaluation, the pool's first 8 prompts, lr 4e-4 for every arm, 3 seeds x 40
-iterations of 8 prompts x 16 samples, probe 8 images a prompt, final pool 16, hard and eval 2 on
-64 prompts each (reports/cfg1-pool8-40it-lr4e-4; about 14 min per arm and seed, 2 runs at a time
-with `--jobs 2 --threads 1`). `recipes`: the recipes' CFG 4 and lr 1e-3 on all 32 pool prompts,
-`FULL` below (reports/cast-vs-flowgrpo). `quick` (--quick): the default's footing for Flow-GRPO
-alone, 1 seed x 16 iterations (`QUICK`), with the KL-targeted lr (`--kl-target 0.03` from lr
-1e-3: each iteration's lr set so that it moves the policy 0.03 nats a sample and window step).
+Protocols (`PROTOCOLS`; every flag overrides its field). The default, `cfg1-pool8` (the recipes'
+footing): CFG 1 for every rollout and evaluation, the pool's first 8 prompts, each iteration's lr
+set to move the policy 0.03 nats a sample and window step (from 1e-3), 3 seeds x 40 iterations of
+8 prompts x 16 samples, probe 8 images a prompt, final pool 16, hard and eval 2 on 64 prompts
+each (reports/cfg1-pool8-40it-kl003; 14-17 min per arm and seed, 2 runs at a time with `--jobs 2
+--threads 1`). `cfg1-pool8-lr4e-4`: the same at a constant lr 4e-4
+(reports/cfg1-pool8-40it-lr4e-4). `cfg4-pool32`: the recipes' footing before 2026-12-06, CFG 4
+and a constant lr 1e-3 on all 32 pool prompts, `FULL` below (reports/cast-vs-flowgrpo). `quick`
+(--quick): the default's footing for Flow-GRPO alone, 1 seed x 16 iterations (`QUICK`).
+`--set SECTION.FIELD=VALUE` puts one more lever on every arm (e.g. `train.lora_rank=32`).
 
 Run it from the repository root. Arms (every one from the committed base model; `arms()`):
 flowgrpo (data/recipes/shapes-flowgrpo.toml: scalar reward = mean atom score, group z-score,
@@ -235,11 +237,11 @@ QUICK = Size(iterations=16, seeds=1, per_iteration=8, group_size=16, probe_image
 @dataclass(frozen=True)
 class Protocol:
     """What a benchmark trains and judges on: its Size, the CFG scale of every rollout and
-    evaluation (None: the recipes' 4), the pool's first N prompts (None: all 32), one learning
-    rate for every arm (None: the recipes' 1e-3), and where its store and report go by default;
-    `kl_target`: every arm's `train.kl_target_nats` (None: a constant lr), so that each objective
-    moves the policy the same distance an iteration. The command line's flags override each
-    field."""
+    evaluation (None: the recipes'), the pool's first N prompts (None: all 32), one learning
+    rate for every arm (None: the recipes'), and where its store and report go by default;
+    `kl_target`: every arm's `train.kl_target_nats` (None: a constant lr, whatever the recipes
+    set), so that each objective moves the policy the same distance an iteration. The command
+    line's flags override each field."""
 
     size: Size
     guidance: float | None
@@ -251,23 +253,30 @@ class Protocol:
     kl_target: float | None = None
 
 
+CFG1_POOL8 = Size(iterations=40, seeds=3, per_iteration=8, group_size=16, probe_images=8,
+                  pool_images=16, hard_images=2, eval_images=2, held_out_prompts=64)
 PROTOCOLS = {
-    # the default since 2026-12-06: without guidance on 8 prompts the base is not at its ceiling
-    # (reports/learning-probes section 6), and at lr 4e-4 Flow-GRPO gains on the pool and on the
-    # held-out hard split in every seed with clean images, where at the recipes' 1e-3 it drifts
-    # below the base (section 7; reports/cfg1-pool8-40it-lr4e-4)
-    "cfg1-pool8": Protocol(
-        Size(iterations=40, seeds=3, per_iteration=8, group_size=16, probe_images=8,
-             pool_images=16, hard_images=2, eval_images=2, held_out_prompts=64),
-        1.0, 8, 4e-4, "runs/bench-cfg1-pool8/store", "reports/cfg1-pool8-40it-lr4e-4",
-        "CFG 1, the pool's first 8 prompts, lr 4e-4, 40 iterations"),
-    # the recipes as they are (CFG 4, 32 prompts, lr 1e-3): reports/cast-vs-flowgrpo
-    "recipes": Protocol(FULL, None, None, None, "runs/bench-methods",
-                        "reports/cast-vs-flowgrpo",
-                        "the recipes' CFG 4 and lr 1e-3 on the 32-prompt pool, 16 iterations"),
-    # --quick: the default protocol's footing for one seed and 2,048 samples, with the KL-targeted
-    # lr (0.03 nats an iteration from 1e-3), under which Flow-GRPO's probe rose from iteration ~8
-    # where at a constant 4e-4 it stayed flat to ~13 (reports/cfg1-pool8-40it-kl003)
+    # the default, the recipes' footing since 2026-12-06: without guidance on 8 prompts the base
+    # is not at its ceiling (reports/learning-probes section 6), and with each iteration's lr set
+    # to move the policy 0.03 nats a sample and window step both objectives gain on the pool and
+    # the held-out hard split with clean images (section 8; reports/cfg1-pool8-40it-kl003)
+    "cfg1-pool8": Protocol(CFG1_POOL8, 1.0, 8, 1e-3, "runs/bench-cfg1-pool8/store",
+                           "reports/cfg1-pool8-40it-kl003",
+                           "CFG 1, the pool's first 8 prompts, KL-targeted lr (0.03 nats an "
+                           "iteration from 1e-3), 40 iterations", kl_target=0.03),
+    # the same at a constant lr 4e-4, where Flow-GRPO first gained in every seed (section 7;
+    # reports/cfg1-pool8-40it-lr4e-4); at a constant 1e-3 it drifts below the base
+    "cfg1-pool8-lr4e-4": Protocol(CFG1_POOL8, 1.0, 8, 4e-4, "runs/bench-cfg1-pool8-lr4e-4/store",
+                                  "reports/cfg1-pool8-40it-lr4e-4",
+                                  "CFG 1, the pool's first 8 prompts, a constant lr 4e-4, "
+                                  "40 iterations"),
+    # the recipes' footing before 2026-12-06 (CFG 4, all 32 pool prompts, a constant lr 1e-3):
+    # reports/cast-vs-flowgrpo
+    "cfg4-pool32": Protocol(FULL, 4.0, None, 1e-3, "runs/bench-methods",
+                            "reports/cast-vs-flowgrpo",
+                            "CFG 4, the 32-prompt pool, a constant lr 1e-3, 16 iterations"),
+    # --quick: the default's footing for Flow-GRPO alone, one seed and 2,048 samples; its probe
+    # rose from iteration ~8, where at a constant 4e-4 it stayed flat to ~13
     "quick": Protocol(QUICK, 1.0, 8, 1e-3, "runs/bench-methods-quick/store",
                       "runs/bench-methods-quick/report",
                       "quick: CFG 1, the pool's first 8 prompts, KL-targeted lr (0.03 nats an "
@@ -413,16 +422,16 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
     """The arm's training recipe at this size and seed, run `name`, on the pool with "cycle"
     (`lr`, when given, replaces the learning rate; `guidance` the CFG scale of the rollouts and
     of every evaluation; `pool` another training pool file; `kl_target` sets
-    `train.kl_target_nats`; `settings` {dotted key: value} are set on every arm after its own
+    `train.kl_target_nats`, None a constant lr even where the recipe targets a KL; `settings` {dotted key: value} are set on every arm after its own
     overrides, as `--set` does)."""
     from tasks.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
              "window.calibration_prompts": size.calibration_prompts, "run.threads": threads,
-             "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance,
-             "train.kl_target_nats": kl_target}
+             "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance}
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
+        "train.kl_target_nats": kl_target,  # None: a constant lr, whatever the recipe's
         **(settings or {}), "run.name": name, "run.seed": seed, "prompts.train": pool,
         "prompts.selection": "cycle"})
 

@@ -184,7 +184,9 @@ def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
     assert bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-lr", 1, lr=1e-2).train.lr == 1e-2
     free = bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-cfg", 1, guidance=1.0)
     assert free.sampling.guidance_scale == free.eval.guidance_scale == 1.0
-    assert recipes[bm.arms()[1].name].sampling.guidance_scale == 4.0
+    assert recipes[bm.arms()[1].name].sampling.guidance_scale == 1.0  # the recipes' (CFG-free)
+    guided = bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-cfg4", 1, guidance=4.0)
+    assert guided.sampling.guidance_scale == guided.eval.guidance_scale == 4.0
 
 
 
@@ -529,10 +531,11 @@ def test_pool_file_takes_the_pools_first_prompts(tmp_path):
             bm.pool_file(store, bad)
 
 
-def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch):
-    """The default protocol is the CFG-1, 8-prompt, lr-4e-4 one that reports/cfg1-pool8-40it-lr4e-4
-    ran; --quick is its footing for Flow-GRPO alone at QUICK's size with the KL-targeted lr;
-    every flag overrides its field."""
+def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
+    """The default protocol is the recipes' footing that reports/cfg1-pool8-40it-kl003 ran (CFG 1,
+    8 prompts, KL-targeted lr from 1e-3); --quick is its footing for Flow-GRPO alone at QUICK's
+    size; the constant-lr protocols keep their reports' settings; every flag overrides its
+    field."""
     seen = {}
 
     def fake_run(size, store, report, prefix, threads, command, suite, lr, only, **kw):
@@ -540,26 +543,33 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch):
         return {}
 
     monkeypatch.setattr(bm, "run_benchmark", fake_run)
+    monkeypatch.chdir(tmp_path)  # main() makes the store's Prefect home under runs/
     bm.main([])
     p = bm.PROTOCOLS["cfg1-pool8"]
     assert seen["size"] == p.size and seen["size"].iterations == 40
-    assert (seen["guidance"], seen["pool_prompts"], seen["lr"]) == (1.0, 8, 4e-4)
-    assert seen["report"] == "reports/cfg1-pool8-40it-lr4e-4" and seen["jobs"] == 1
+    assert (seen["guidance"], seen["pool_prompts"], seen["lr"], seen["kl_target"]) == (
+        1.0, 8, 1e-3, 0.03)
+    assert seen["report"] == "reports/cfg1-pool8-40it-kl003" and seen["jobs"] == 1
+    assert seen["settings"] == {}
     bm.main(["--quick"])
     assert seen["size"] == bm.QUICK and seen["only"] == [bm.BASELINE]
     assert (seen["guidance"], seen["pool_prompts"], seen["lr"], seen["kl_target"]) == (
         1.0, 8, 1e-3, 0.03)
     assert seen["store"] == "runs/bench-methods-quick/store" and seen["quick"]
-    bm.main(["--protocol", "recipes"])
+    bm.main(["--protocol", "cfg4-pool32"])
     assert seen["size"] == bm.FULL and seen["report"] == "reports/cast-vs-flowgrpo"
-    bm.main(["--lr", "1e-3", "--guidance", "2", "--iterations", "5", "--jobs", "2"])
+    assert (seen["guidance"], seen["lr"], seen["kl_target"]) == (4.0, 1e-3, None)
+    bm.main(["--protocol", "cfg1-pool8-lr4e-4", "--lr", "1e-3", "--guidance", "2",
+             "--iterations", "5", "--jobs", "2", "--set", "train.lora_rank=16"])
     assert (seen["lr"], seen["guidance"], seen["pool_prompts"]) == (1e-3, 2.0, 8)
     assert seen["size"].iterations == 5 and seen["size"].pool_images == 16 and seen["jobs"] == 2
-    assert seen["kl_target"] is None
-    bm.main(["--kl-target", "0.03"])
-    assert seen["kl_target"] == 0.03 and seen["lr"] == 4e-4
-    for bad in (["--protocol", "nope"], ["--kl-target", "0"]):
+    assert seen["kl_target"] is None and seen["settings"] == {"train.lora_rank": 16}
+    bm.main(["--protocol", "cfg1-pool8-lr4e-4", "--kl-target", "0.05"])
+    assert seen["kl_target"] == 0.05 and seen["lr"] == 4e-4
+    for bad in (["--protocol", "nope"], ["--kl-target", "0"], ["--set", "lora_rank=3"]):
         with pytest.raises(SystemExit):
             bm.main(bad)
     recipe = bm.recipe_for(bm.arms()[0], 1, p.size, "kl", 1, 1e-3, 1.0, kl_target=0.03)
     assert (recipe.train.kl_target_nats, recipe.train.lr) == (0.03, 1e-3)
+    constant = bm.recipe_for(bm.arms()[0], 1, p.size, "const", 1, 4e-4, 1.0)
+    assert constant.train.kl_target_nats is None  # even though the recipe targets 0.03 nats
