@@ -124,6 +124,8 @@ from bench_stats import (
     t_quantile,
 )
 
+from cast_core.csg.graph import ATOM_TYPES
+
 __all__ = ["Interval", "Ratio", "ratio_bootstrap", "t_interval", "t_quantile"]
 
 FLOWGRPO_RECIPE = "data/recipes/shapes-flowgrpo.toml"
@@ -186,7 +188,6 @@ ONE_CHANGE = (
     *((name, "cast", about.removeprefix("cast ")) for name, _, about in FIXES),
     ("cast", "flowgrpo", "all of CAST at once (the headline comparison)"),
 )
-ATOM_TYPES = ("object", "count", "attribute", "relation")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 from bench_methods import (
-    ATOM_TYPES,
     BASELINE,
     DIAGNOSTIC_COLUMNS,
     FINAL_SPLITS,
@@ -25,6 +24,8 @@ from bench_methods import (
     run_name,
 )
 from bench_stats import Interval, Ratio, t_interval
+
+from cast_core.csg.graph import ATOM_TYPES
 
 # Issue 17's targets.
 GOAL_POOL_GAIN, GOAL_HARD_GAIN, GOAL_RUN_MINUTES = 0.10, 0.03, 15.0

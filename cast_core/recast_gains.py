@@ -47,18 +47,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import get_args
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from cast_core.credit import mean_normalise, recast_weights, renyi_gaussian, step_gains
-from cast_core.csg.graph import AtomType, SceneGraph
+from cast_core.csg.graph import ATOM_TYPES, SceneGraph
 from cast_core.sampling import encode_conditioning, ode_trajectory, step_velocity
 from cast_core.sde import tweedie_x0
 
-ATOM_TYPES: tuple[str, ...] = get_args(AtomType)
 StatisticsFn = Callable[[Tensor, list[SceneGraph]], Mapping[str, Tensor]]
 Scorer = Callable[[Tensor, list[SceneGraph]], list[tuple[np.ndarray, np.ndarray]]]
 

@@ -14,7 +14,6 @@ calibration prompts' hash and the embedder spec.
 
 from __future__ import annotations
 
-
 from cast_core.calibration import calibrate_window as calibrate
 from cast_core.calibration import similarity_curves
 from cast_core.window import fixed_window

@@ -7,7 +7,7 @@ The blob holds, row i = the sample's `blob_index` (N samples, h x w log-prob gri
 - `scalar` [N]: Flow-GRPO's scalar advantage;
 - `atom` [N]: the no-map credit (`atom_mean_credit`: the clamped mean of the sample's gated atom
   advantages), which `advantage.kind = "atom"` trains on as a constant map;
-- `type_maps` [N, 4, h, w]: the map split by atom type in the order of `TYPE_ORDER` (object,
+- `type_maps` [N, 4, h, w]: the map split by atom type in the order of `ATOM_TYPES` (object,
   count, attribute, relation; `grouped_advantage_maps`), each type's share of the map before the
   clamp, pooled like `maps` (for ReCAST's per-type step weights). Pooling is linear, so
   `type_maps.sum(1)` is the pooled unclamped map: it equals `maps` wherever no pixel of a grid
@@ -22,8 +22,6 @@ Cached on the atom scores' content hash, the rollout's and the advantage section
 """
 
 from __future__ import annotations
-
-from typing import get_args
 
 import numpy as np
 import torch
@@ -40,14 +38,13 @@ from cast_core.advantage import (
     pool_to_grid,
     scalar_advantages,
 )
-from cast_core.csg.graph import AtomType
+from cast_core.csg.graph import ATOM_TYPES
 from tasks.recipe import Recipe
 from tasks.score_atoms import load_rollout_rows
 from tasks.stage import StageRef, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "compute_advantages"
-TYPE_ORDER: tuple[str, ...] = get_args(AtomType)  # object, count, attribute, relation
 
 
 def _log_prob_grid(store: Store, latents_path: str) -> tuple[int, int]:
@@ -96,11 +93,11 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
         s = torch.zeros(b, g, a_max, dtype=torch.float64)  # [B, G, A]
         heat = torch.zeros(b, g, a_max, hh, ww, dtype=torch.float32)  # [B, G, A, H, W]
         mask = torch.zeros(b, a_max, dtype=torch.bool)  # [B, A]
-        types = torch.zeros(b, a_max, dtype=torch.int64)  # [B, A] index into TYPE_ORDER
+        types = torch.zeros(b, a_max, dtype=torch.int64)  # [B, A] index into ATOM_TYPES
         for bi, pid in enumerate(prompt_ids):
             mask[bi, :len(atom_ids[bi])] = True
             for ai, r in enumerate(by_key[(pid, 0)]):
-                types[bi, ai] = TYPE_ORDER.index(r["atom_type"])
+                types[bi, ai] = ATOM_TYPES.index(r["atom_type"])
             for gi in range(g):
                 for ai, r in enumerate(by_key[(pid, gi)]):
                     s[bi, gi, ai] = r["score"]
@@ -121,12 +118,12 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
         pix = pixel_advantage_map(flat_a, flat_heat, flat_mask, cfg.global_weight, cfg.clip,
                                   cfg.heatmap_norm, cfg.spatial_mix)
         by_type = grouped_advantage_maps(flat_a, flat_heat, flat_mask,
-                                         types.repeat_interleave(g, 0), len(TYPE_ORDER),
+                                         types.repeat_interleave(g, 0), len(ATOM_TYPES),
                                          cfg.global_weight, cfg.heatmap_norm,
                                          cfg.spatial_mix)  # [N, 4, H, W]
         h, w = _log_prob_grid(store, samples[0]["latents_path"])
         maps = pool_to_grid(pix.map, h, w)  # [N, h, w]
-        type_maps = pool_to_grid(by_type.flatten(0, 1), h, w).view(b * g, len(TYPE_ORDER), h, w)
+        type_maps = pool_to_grid(by_type.flatten(0, 1), h, w).view(b * g, len(ATOM_TYPES), h, w)
         blob = store.put_tensors({"maps": maps, "scalar": scalar.advantages.reshape(-1).float(),
                                   "atom": atom_mean_credit(flat_a, flat_mask, cfg.clip),
                                   "type_maps": type_maps})

@@ -27,6 +27,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cast_core.csg.graph import ATOM_TYPES, AtomType
+
 
 class RecipeError(ValueError):
     """A recipe file that cannot be read or does not validate; the message names the field."""
@@ -327,7 +329,7 @@ class RecastSection(_Section):
     (`<folder>/<NNNNN>/metadata.jsonl` + `<folder>/<NNNNN>/samples/*.png`; any family)."""
 
     weighting: Literal["none", "static", "recast"] = "none"
-    budgets: dict[Literal["object", "count", "attribute", "relation"], float] | None = None
+    budgets: dict[AtomType, float] | None = None
     every: int = Field(1, ge=1, description="re-estimate W every N iterations")
     prompts: int = Field(16, ge=1)
     samples_per_prompt: int = Field(2, ge=1)
@@ -348,10 +350,9 @@ class RecastSection(_Section):
 
     def budget_map(self) -> dict[str, float]:
         """{atom type: lambda_k} in type order (None: each of the four types at 1)."""
-        types = ("object", "count", "attribute", "relation")
         if self.budgets is None:
-            return dict.fromkeys(types, 1.0)
-        return {k: float(self.budgets[k]) for k in types if k in self.budgets}
+            return dict.fromkeys(ATOM_TYPES, 1.0)
+        return {k: float(self.budgets[k]) for k in ATOM_TYPES if k in self.budgets}
 
 
 class EvalSection(_Section):

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-
 from tasks.recipe import Recipe
 from tasks.stage import code_version
 from tasks.store import Store, parquet_readable

@@ -53,6 +53,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from cast_core.advantage import step_weighted_maps
+from cast_core.csg.graph import ATOM_TYPES
 from cast_core.diagnostics import (
     RewardAlarm,
     constant_reward_alarm,
@@ -68,7 +69,6 @@ from cast_core.policy import (
     policy_update,
     update_kl_nats,
 )
-from cast_core.recast_gains import ATOM_TYPES  # the order of compute_advantages' type_maps
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
 from tasks.models import (

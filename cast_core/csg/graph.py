@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 AtomType = Literal["object", "count", "attribute", "relation"]
+ATOM_TYPES: tuple[str, ...] = get_args(AtomType)  # the one atom-type order of every table and map
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 EXTRA_RELATIONS: tuple[str, ...] = ("in front of", "behind", "on top of", "next to", "close to",
                                     "with", "on", "in", "around", "against", "between")
