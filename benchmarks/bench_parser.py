@@ -11,14 +11,18 @@ Sets:
   tests/data/compositional_heldout3.jsonl (340 prompts written before the third round, which
   guided the fourth) and tests/data/compositional_heldout4.jsonl (346 prompts written before the
   fourth round, which guided the fifth) and tests/data/compositional_heldout5.jsonl (394 prompts
-  written before the fifth round and not tuned to afterwards), each with its intended graph;
+  written before the fifth round, which guided the sixth) and
+  tests/data/compositional_heldout6.jsonl (331 prompts written before the sixth round and not tuned
+  to afterwards), each with its intended graph; a line marked "refuse" is one its writer judged
+  ambiguous or beyond the offline grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
   JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
   test_metadata.jsonl files), each record parsed from its text twice, with its classes as the
   noun list and with none, and compared with the graph of its metadata.
 "Exact" means the parsed graph equals the intended one; "silently wrong" means it parsed but is not
-the intended graph; the rest raised PromptParseError. Time: the median of `repeats` runs of
+the intended graph; "refused" means it raised PromptParseError (and, for a list with lines marked
+"refuse", how many of those were refused). Time: the median of `repeats` runs of
 parsing the held-out prompts over and over to 10,000, and 10,000 GenEval-format prompts.
 """
 
@@ -48,17 +52,29 @@ def shape(graph) -> tuple[list, list]:
 
 HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout3.jsonl", "compositional_heldout4.jsonl",
-            "compositional_heldout5.jsonl")
+            "compositional_heldout5.jsonl", "compositional_heldout6.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:
+    """(prompt, nodes, edges) of each line of a held-out file."""
+    return [row[:3] for row in held_out_marked(name)]
+
+
+def marked_refusals(name: str) -> set[str]:
+    """Prompts of a held-out file whose writer marked them "refuse" (a refusal is right)."""
+    return {prompt for prompt, _, _, refuse in held_out_marked(name) if refuse}
+
+
+def held_out_marked(name: str) -> list[tuple[str, list, list, bool]]:
+    """(prompt, nodes, edges, marked "refuse") of each line of a held-out file."""
     rows = []
     for line in (REPO / "tests/data" / name).read_text().splitlines():
         row = json.loads(line)
         nodes = [(n["noun"], n["count"], tuple(sorted(
             n["attributes"].items(), key=lambda kv: ATTRIBUTE_KINDS.index(kv[0]))))
             for n in row["nodes"]]
-        rows.append((row["prompt"], nodes, [tuple(e) for e in row["edges"]]))
+        rows.append((row["prompt"], nodes, [tuple(e) for e in row["edges"]],
+                     bool(row.get("refuse"))))
     return rows
 
 
@@ -77,13 +93,24 @@ def score(rows: list[tuple[str, list, list]]) -> tuple[int, int, list[str]]:
     return parsed, exact, wrong
 
 
-def report(name: str, rows: list) -> None:
+def report(name: str, rows: list, marked: frozenset[str] = frozenset()) -> None:
     parsed, exact, wrong = score(rows)
     n = len(rows)
     print(f"{name:<26} n={n:<5} parsed {parsed / n:6.1%}  exact {exact / n:6.1%}  "
-          f"silently wrong {len(wrong)}")
+          f"refused {(n - parsed) / n:6.1%}  silently wrong {len(wrong)}")
+    if marked:
+        refused = sum(1 for prompt in marked if not _parses(prompt))
+        print(f"{'':<26} marked 'refuse' by the writer: {len(marked)}, refused {refused}")
     for prompt in wrong:
-        print(f"    differs: {prompt!r}")
+        print(f"    differs: {prompt!r}" + ("  (marked 'refuse')" if prompt in marked else ""))
+
+
+def _parses(prompt: str) -> bool:
+    try:
+        parse_prompt(prompt)
+    except PromptParseError:
+        return False
+    return True
 
 
 def geneval(path: Path) -> tuple[int, int, int, int]:
@@ -133,7 +160,8 @@ def main() -> None:
         return
     rows = {name: held_out(name) for name in HELD_OUT}
     for name in HELD_OUT:
-        report(f"held-out {name.removesuffix('.jsonl').removeprefix('compositional_')}", rows[name])
+        report(f"held-out {name.removesuffix('.jsonl').removeprefix('compositional_')}", rows[name],
+               frozenset(marked_refusals(name)))
     report("hand-written table", TABLE)
     files = sorted((REPO / "data/prompts").glob("*.jsonl")) + list(args.geneval)
     geneval_prompts = []

@@ -130,7 +130,7 @@ def test_geneval_position_layout_puts_subject_first():
 
 @pytest.mark.parametrize("prompt, reason", [
     ("photo of a cat", "must start with"),
-    ("A photo of a cat", "must start with"),
+    ("Photo of a cat", "must start with"),
     ("a photo of several circles", "'several'"),
     ("a photo of red circles", "'red'"),
     ("a photo of eleven circles", "'eleven'"),
@@ -233,3 +233,10 @@ def test_from_dict_missing_field_raises():
     del data["nodes"][0]["count"]
     with pytest.raises(CsgError, match="count"):
         SceneGraph.from_dict(data)
+
+
+def test_capitals_are_read_in_lower_case_and_the_prompt_is_kept():
+    graph = parse_prompt("A photo of a Cat", tag="t")
+    assert graph.prompt == "A photo of a Cat"
+    assert graph == dataclasses.replace(parse_prompt("a photo of a cat", tag="t"),
+                                        prompt="A photo of a Cat")

@@ -23,11 +23,14 @@ and a new clause after two or more objects raise ValueError saying why.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cast_core.csg.vocab import ATTRIBUTE_KIND, POSTURE_VERBS, RELATION_FORMS, RELATION_PHRASES
 
 SEP = "sep"
+# Pronouns read as the object of a relation ("a table with a vase on it"); the parser resolves them.
+PRONOUNS = frozenset({"it", "them"})
 STATEMENT_ENDS = (";", ".")
 PREDICATE_VERBS = frozenset({"is", "are"})
 
@@ -147,8 +150,15 @@ def _relation_at(tokens: list[str], i: int) -> tuple[str, ...] | None:
     return next((f for f in RELATION_FORMS if tuple(tokens[i:i + len(f)]) == f), None)
 
 
-def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tuple[int, str, int]]:
-    """Edges (subject span, canonical relation, object span) in order of appearance."""
+def clause_edges(spans: list[list[str]], ops: list[str | Relation],
+                 setting: Callable[[list[str]], bool] = lambda span: False,
+                 ) -> list[tuple[int, str, int]]:
+    """Edges (subject span, canonical relation, object span) in order of appearance. `setting`
+    says whether a span names a ground or scene ("a beach", "the water"): a chain through one ("a
+    boat on the water next to a pier": the water's place, or the boat's?) and "on"/"in" one
+    written with a/an or a count after a new clause's noun phrase ("a sandcastle next to a bucket and a shovel on a beach": a
+    new clause, or a second object of "next to", and on the beach only the shovel or all?) raise
+    ValueError, as ambiguous."""
     for k, op in enumerate(ops):
         if isinstance(op, Relation) and not spans[k + 1]:
             raise ValueError(f"relation {op.form!r} must be followed by a noun phrase")
@@ -184,11 +194,28 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation]) -> list[tupl
                                  f"phrase {op.form!r} places is ambiguous; write one clause per "
                                  "relation ('a girl in a yellow raincoat and next to a red "
                                  "umbrella')")
-            subjects = subjects if relation.canonical == "with" else [k]
+            if relation.canonical != "with" and setting(spans[k]):
+                raise ValueError(f"a chain goes through {' '.join(spans[k])!r}, a ground or "
+                                 f"scene, and on with {op.form!r}: it may place "
+                                 f"{' '.join(spans[k])!r} or the noun phrase before it ('a boat "
+                                 "on the water next to a pier': the boat is next to it); write "
+                                 f"one clause per relation ('... and {op.form} ...')")
+            # after "with", a pronoun object names the subject: "a table with a vase on it" is
+            # the vase on the table
+            pronoun = spans[k + 1] in (["it"], ["them"])
+            subjects = subjects if relation.canonical == "with" and not pronoun else [k]
         elif not op.also:
             before = subjects
             subjects = _next_subjects(k, op, relation, run)
             if relation is not None:
+                if (op.canonical in ("on", "in") and spans[k + 1][:1] != ["the"]
+                        and setting(spans[k + 1])):
+                    raise ValueError(
+                        f"{' '.join(spans[k])!r} after {relation.form!r} and 'and' is followed "
+                        f"by {op.form + ' ' + ' '.join(spans[k + 1])!r}, a ground or scene: it "
+                        f"may be a new clause or a second object of {relation.form!r}, and "
+                        f"{op.form!r} may place it alone or every noun phrase before it; write "
+                        "the place as its own statement ('...; the shovel is on the beach')")
                 for s in before:
                     edges.remove((s, relation.canonical, k))
         relation, run = op, [k + 1]

@@ -69,6 +69,7 @@ from typing import Any
 
 from cast_core.csg.clauses import (
     PREDICATE_VERBS,
+    PRONOUNS,
     SEP,
     Relation,
     clause_edges,
@@ -86,6 +87,7 @@ from cast_core.csg.questions import (
 from cast_core.csg.references import Reading, antecedent, unnamed, with_attributes
 from cast_core.csg.vocab import (
     ALSO_NOUNS,
+    AMBIGUOUS_KIND_WORDS,
     AMBIGUOUS_COMPOUND_NOUNS,
     ATTRIBUTE_KIND,
     ATTRIBUTE_KINDS,
@@ -95,6 +97,7 @@ from cast_core.csg.vocab import (
     MATERIAL_SUBSTANCE,
     OF_HEADS,
     RELATION_PHRASES,
+    SETTINGS,
     UNSUPPORTED_RELATIONS,
     VERBS,
     pluralize,
@@ -179,7 +182,10 @@ def parse_prompt(prompt: str, tag: str | None = None,
         raise _fail(prompt[:80] + "...", f"it is {len(prompt)} characters long, more than the "
                                          f"limit of {MAX_PROMPT_CHARS}; shorten it or {_LLM}")
     listed = None if nouns is None else frozenset(nouns)
-    body = next((prompt[len(p):] for p in PREFIXES if prompt.startswith(p)), prompt)
+    # Capitals say nothing the graph keeps ("A red car", "Three white swans.", "THREE RED BALLS"):
+    # the words are read in lower case and the graph keeps the prompt as written.
+    text = prompt.lower()
+    body = next((text[len(p):] for p in PREFIXES if text.startswith(p)), text)
     body = next((body[len(p):] for p in THERE_PREFIXES if body.startswith(p)), body)
     try:
         statements = split_statements(body)
@@ -194,7 +200,7 @@ def parse_prompt(prompt: str, tag: str | None = None,
             _predicate(spans, ops, phrases, prompt, listed, opening)
             continue
         spans = [spans[0][:-1], *spans[1:]] if relates else spans
-        edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == prompt,
+        edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
                          opening and bool(relates))
         opening = opening and all(span[:1] in (["the"], ["each"]) for span in spans)
     repeated = sorted({e for e in edges if edges.count(e) > 1})
@@ -211,7 +217,7 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     appended (a span "the ..." is a reference to one already there, or a new noun phrase of one
     after a relation, and as the subject of an `opening` predication, when none has its noun)."""
     try:
-        local = clause_edges(spans, ops)
+        local = clause_edges(spans, ops, _is_setting)
     except ValueError as err:
         construct = next(filter(None, (_construct(span) for span in spans)), None)
         raise _fail(prompt, (f"{construct}; " if construct else "") + f"{err}; {_LLM}") from err
@@ -219,7 +225,10 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     spans = spans[:-1] if spans[-1] == ["each", "other"] else spans
     roles, index = _roles(ops), []
     for i, span in enumerate(spans):
-        if span[:1] == ["the"]:
+        if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
+            subjects = {index[s] for s, _, j in local if j == i and s < i}
+            index.append(_pronoun(span[0], subjects, phrases, prompt, ops[i - 1]))
+        elif span[:1] == ["the"]:
             placed = isinstance(ops[i - 1], Relation) if i > 0 else opening
             index.append(_reference(span, phrases, prompt, nouns, roles[i], placed))
         else:
@@ -239,6 +248,33 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
             raise _fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
                                 f"lamp between two chairs'), not {' '.join(spans[j])!r}; {_LLM}")
     return [(index[i], relation, index[j]) for i, relation, j in local]
+
+
+def _pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], prompt: str,
+             relation: Relation) -> int:
+    """Index of the one noun phrase written before that "it" (one) or "them" (two or more) names
+    as the object of `relation`: the only one of that number other than the relation's subjects
+    ("three puppies in a basket and a kitten next to it": the basket). Several or none is an
+    error naming them."""
+    plural = word == "them"
+    found = [i for i, p in enumerate(phrases) if i not in subjects and (p.count > 1) == plural]
+    if len(found) == 1:
+        return found[0]
+    number = "two or more" if plural else "one"
+    shown = [" ".join([str(phrases[i].count), *(v for _, v in phrases[i].attributes),
+                       phrases[i].noun]) for i in found]
+    said = f"{relation.form} {word}"
+    if not found:
+        raise _fail(prompt, f"{said!r} names no noun phrase of {number} written before it; "
+                            f"name the object ('{relation.form} the ...') or {_LLM}")
+    raise _fail(prompt, f"{said!r} could name any of {shown}; name the object ('{relation.form} "
+                        f"the ...') or {_LLM}")
+
+
+def _is_setting(span: list[str]) -> bool:
+    """Whether a noun phrase names a ground or scene ("a sandy beach", "the water"): its last
+    word, singular, is one of the vocabulary's `settings`."""
+    return bool(span) and singularize(span[-1]) in SETTINGS
 
 
 def _each_other(spans: list[list[str]], ops: list[str | Relation],
@@ -284,6 +320,7 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
                                f"parser knows" if unknown else f"{words} after {said!r} gives an "
                                "attribute kind twice or nothing")
         raise _fail(prompt, f"{reason}; {_LLM}")
+    _check_kind_words(attributes, said, prompt)
     try:
         phrases[i] = with_attributes(phrases[i], attributes, " ".join(subject), ATTRIBUTE_KINDS)
     except ValueError as err:
@@ -308,6 +345,7 @@ def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
             readings.append((split[0], split[1], count > 1))
     if not readings:
         raise _fail(prompt, _no_split_reason(rest, text, nouns, 2 if plural else 1))
+    _check_kind_words(readings[0][1], text, prompt)
     if placed and not plural and pluralize(readings[0][0]) != readings[0][0] \
             and unnamed(readings, phrases):
         phrases.append(NounPhrase(readings[0][0], 1, readings[0][1]))
@@ -346,6 +384,7 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
     split = _split(rest, count, nouns)
     if split is None:
         raise _fail(prompt, _no_split_reason(rest, text, nouns, count))
+    _check_kind_words(split[1], text, prompt)
     attributes = _merge(split[1], made[1]) if made else split[1]
     if attributes is None:
         raise _fail(prompt, f"noun phrase {text!r} gives its material twice (before the noun and "
@@ -360,6 +399,17 @@ def _made_of(words: list[str]) -> tuple[list[str], tuple[tuple[str, str], ...]] 
         if words[i:i + 2] == ["made", "of"] and words[i + 2] in _MATERIAL_WORDS:
             return words[:i] + words[i + 3:], (("material", words[i + 2]),)
     return None
+
+
+def _check_kind_words(attributes: tuple[tuple[str, str], ...], text: str, prompt: str) -> None:
+    """Refuse an attribute word the lists file under two kinds ("a bronze statue": its colour or
+    its material?), naming it."""
+    for kind, value in attributes:
+        if value in AMBIGUOUS_KIND_WORDS:
+            kinds = " or its ".join(AMBIGUOUS_KIND_WORDS[value])
+            raise _fail(prompt, f"{value!r} in {text!r} may be its {kinds} (the held-out lists "
+                                f"write it both ways); name the colour with another colour word "
+                                f"('brown', 'gold') or {_LLM}")
 
 
 def _merge(first: tuple[tuple[str, str], ...],

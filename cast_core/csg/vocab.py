@@ -37,6 +37,14 @@ COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["compound_nouns"]) | ATTRIBUTE_
 # Attribute word + noun that writers read both ways ("a blue whale": the species, or a whale
 # coloured blue; the held-out lists label it each way): refused by name, never read either way.
 AMBIGUOUS_COMPOUND_NOUNS: frozenset[str] = frozenset(_DATA["ambiguous_compound_nouns"])
+# Attribute words the lists file under two kinds ("a bronze statue": colour or material?): refused
+# before a noun by name, never filed under either.
+AMBIGUOUS_KIND_WORDS = MappingProxyType({w: tuple(k) for w, k in _DATA["ambiguous_kind_words"].items()})
+# Grounds and scenes ("a beach", "the water", "the grass"): a relation to one after a list ("a
+# sandcastle next to a bucket and a shovel on a beach") may place every noun phrase or only the
+# last, and one in the middle of a chain ("a boat on the water next to a pier") may be where the
+# subject is rather than what the later relation places; both are refused.
+SETTINGS: frozenset[str] = frozenset(_DATA["settings"])
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
 POSTURE_VERBS: frozenset[str] = frozenset(_DATA["posture_verbs"])
 VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS
