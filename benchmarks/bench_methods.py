@@ -475,26 +475,16 @@ def check_paired_evals(recipes: list, passes: dict[str, EvalPass]) -> None:
 def train_run(store, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
     """Run-level stages, the iterations with a probe after each, and the final evaluation ->
     {(iteration, what): StageRef} (what: a stage name, or "eval:<pass>")."""
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window
-    from tasks.compute_advantages import compute_advantages
     from tasks.evaluate_checkpoint import evaluate_checkpoint
-    from tasks.recast_gains import gains_for_training
-    from tasks.rollout_groups import rollout_groups
-    from tasks.score_atoms import score_atoms
-    from tasks.train_epoch import train_epoch
+    from tasks.iteration import plain_stages, run_iteration, run_setup
 
-    refs = {(-1, "build_csgs"): (csgs := build_csgs(store, recipe)),
-            (-1, "calibrate_window"): (window := calibrate_window(store, recipe))}
+    stages = plain_stages()
+    setup = run_setup(stages, store, recipe)
+    refs = {(-1, name): ref for name, ref in setup.items()}
     for k in range(size.iterations):
-        refs[(k, "rollout")] = ro = rollout_groups(store, recipe, csgs, window, k)
-        refs[(k, "score_atoms")] = sc = score_atoms(store, recipe, csgs, ro, k)
-        refs[(k, "compute_advantages")] = ad = compute_advantages(store, recipe, ro, sc, k)
-        gains = (gains_for_training(store, recipe, k) if recipe.recast.weighting == "recast"
-                 else None)
-        if gains is not None:  # recorded at the iteration it was estimated on
-            refs[(gains.iteration, "recast_gains")] = gains
-        refs[(k, "train_epoch")] = train_epoch(store, recipe, csgs, ro, sc, ad, k, gains)
+        for name, ref in run_iteration(stages, store, recipe, setup, k).items():
+            # ReCAST gains are recorded at the iteration they were estimated on
+            refs[(ref.iteration if name == "recast_gains" else k, name)] = ref
         refs[(k, "eval:probe")] = evaluate_checkpoint(store, with_eval(recipe, passes["probe"]), k)
         spent = sum(r.seconds for (i, w), r in refs.items() if i == k and w != "eval:probe")
         print(f"{recipe.run.name} iteration {k}: {spent:.1f} s, probe "

@@ -43,12 +43,16 @@ from flows.preflight import checked_recipe
 from tasks.build_csgs import build_csgs_task
 from tasks.calibrate_window import calibrate_window_task
 from tasks.compute_advantages import compute_advantages_task
+from tasks.iteration import Stages, run_iteration, run_setup
 from tasks.recast_gains import gains_for_training_task
 from tasks.report import iteration_report_task, next_iteration_task, store_root
 from tasks.rollout_groups import rollout_task
 from tasks.score_atoms import score_atoms_task
 from tasks.store import Store
 from tasks.train_epoch import train_epoch_task
+
+TASKS = Stages(build_csgs_task, calibrate_window_task, rollout_task, score_atoms_task,
+               compute_advantages_task, gains_for_training_task, train_epoch_task)
 
 
 @flow(name="cast", log_prints=True)
@@ -57,14 +61,9 @@ def cast(recipe: str = DEFAULT_RECIPE, iteration: int | None = None, store: str 
     r = checked_recipe(recipe, overrides, store_root(store))
     print(f"recipe {recipe}: " + json.dumps(r.derived(), indent=1))
     st = Store(store_root(store))
-    csgs = build_csgs_task(st, r)
-    window = calibrate_window_task(st, r)
+    setup = run_setup(TASKS, st, r)
     k = next_iteration_task(st, r) if iteration is None else iteration
-    rollouts = rollout_task(st, r, csgs, window, k)
-    scores = score_atoms_task(st, r, csgs, rollouts, k)
-    advantages = compute_advantages_task(st, r, rollouts, scores, k)
-    gains = gains_for_training_task(st, r, k) if r.recast.weighting == "recast" else None
-    train_epoch_task(st, r, csgs, rollouts, scores, advantages, k, gains)
+    run_iteration(TASKS, st, r, setup, k)
     return iteration_report_task(st, r, k)
 
 

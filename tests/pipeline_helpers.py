@@ -59,38 +59,17 @@ def ci_recipe(prompts: Path, **extra) -> Recipe:
 def run_iteration(store: Store, recipe: Recipe, iteration: int | None = None,
                   markers: Path | None = None) -> dict:
     """build_csgs, calibrate_window and one iteration's stages -> {stage: StageRef}."""
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window
-    from tasks.compute_advantages import compute_advantages
-    from tasks.recast_gains import gains_for_training
+    from tasks.iteration import plain_stages, run_iteration, run_setup
     from tasks.report import next_iteration
-    from tasks.rollout_groups import rollout_groups
-    from tasks.score_atoms import score_atoms
-    from tasks.train_epoch import train_epoch
 
     def start(stage: str) -> None:
         if markers is not None:
             (markers / f"{stage}.started").touch()
 
-    refs = {}
-    start("build_csgs")
-    refs["build_csgs"] = c = build_csgs(store, recipe)
-    start("calibrate_window")
-    refs["calibrate_window"] = w = calibrate_window(store, recipe)
+    stages = plain_stages()
+    refs = run_setup(stages, store, recipe, start)
     k = next_iteration(store, recipe) if iteration is None else iteration
-    start("rollout")
-    refs["rollout"] = ro = rollout_groups(store, recipe, c, w, k)
-    start("score_atoms")
-    refs["score_atoms"] = sc = score_atoms(store, recipe, c, ro, k)
-    start("compute_advantages")
-    refs["compute_advantages"] = ad = compute_advantages(store, recipe, ro, sc, k)
-    gains = None
-    if recipe.recast.weighting == "recast":
-        start("recast_gains")
-        refs["recast_gains"] = gains = gains_for_training(store, recipe, k)
-    start("train_epoch")
-    refs["train_epoch"] = train_epoch(store, recipe, c, ro, sc, ad, k, gains)
-    return refs
+    return refs | run_iteration(stages, store, recipe, refs, k, start)
 
 
 @functools.cache

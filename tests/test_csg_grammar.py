@@ -235,8 +235,8 @@ NEGATIVE = [
     ("11 cats", "not '11'"),
     ("0 cats", "not '0'"),
     ("cats", "noun phrase 'cats' must be"),
-    ("an ivory vase to the right of a bronze statue", "'bronze' in 'a bronze statue' may be its "
-                                                      "color or its material"),
+    ("an ivory vase to the right of a bronze statue",
+     "'bronze' in 'a bronze statue' may be its color or its material"),
     ("a cat; the cat is bronze", "'bronze' in 'the cat is' may be its color or its material"),
     ("a boat on the water next to a pier", "a chain goes through 'the water', a ground or scene"),
     ("a broken vase on the floor next to a cat", "a chain goes through 'the floor'"),

@@ -87,8 +87,8 @@ from cast_core.csg.questions import (
 from cast_core.csg.references import Reading, antecedent, unnamed, with_attributes
 from cast_core.csg.vocab import (
     ALSO_NOUNS,
-    AMBIGUOUS_KIND_WORDS,
     AMBIGUOUS_COMPOUND_NOUNS,
+    AMBIGUOUS_KIND_WORDS,
     ATTRIBUTE_KIND,
     ATTRIBUTE_KINDS,
     CLAUSE_WORDS,
