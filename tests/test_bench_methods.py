@@ -569,6 +569,7 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
     for bad in (["--protocol", "nope"], ["--kl-target", "0"], ["--set", "lora_rank=3"]):
         with pytest.raises(SystemExit):
             bm.main(bad)
+    monkeypatch.chdir(Path(bm.__file__).resolve().parents[1])  # recipes are repo-relative
     recipe = bm.recipe_for(bm.arms()[0], 1, p.size, "kl", 1, 1e-3, 1.0, kl_target=0.03)
     assert (recipe.train.kl_target_nats, recipe.train.lr) == (0.03, 1e-3)
     constant = bm.recipe_for(bm.arms()[0], 1, p.size, "const", 1, 4e-4, 1.0)
