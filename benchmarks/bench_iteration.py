@@ -38,12 +38,13 @@ from pathlib import Path
 
 import torch
 
+from tasks.iteration import RUN_STAGES
+
 TARGET_FLOW_S = 45.0  # a default iteration (16 prompts x 8 samples) finishes in <= ~45 s wall
 TARGET_OVERHEAD = 0.10  # orchestration + store overhead <= 10% against the bare arm
 TARGET_RERUN = 0.10  # a finished iteration re-runs in <= 10% of its first run
 ITERATION_STAGES = ("next_iteration", "rollout", "score_atoms", "compute_advantages",
                     "train_epoch", "report")
-RUN_STAGES = ("build_csgs", "calibrate_window")
 BARE_PARTS = ("load (rollout)", "rollout", "score", "advantages", "load (train)", "train")
 
 

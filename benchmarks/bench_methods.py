@@ -125,6 +125,7 @@ from bench_stats import (
 )
 
 from cast_core.csg.graph import ATOM_TYPES
+from tasks.iteration import RUN_STAGES
 
 __all__ = ["Interval", "Ratio", "ratio_bootstrap", "t_interval", "t_quantile"]
 
@@ -137,7 +138,6 @@ FINAL_SPLITS = ("pool", "hard", "eval")
 METRICS = (("mean_score", "mean atom score"), ("strict_accuracy", "strict accuracy"))
 PROBE_OFFSET, FINAL_OFFSET = 0, 1000
 ITERATION_STAGES = ("rollout", "score_atoms", "compute_advantages", "train_epoch")
-RUN_STAGES = ("build_csgs", "calibrate_window")
 SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling")
 SAME_TRAIN = ("lr", "kl_target_nats", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling",
               "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch", "micro_batch",
