@@ -9,7 +9,11 @@ skipped and every arm samples the same prompts with the same seeds:
   the backbone from disk twice (once to sample, once to train), as the rollout and train stages
   each do; it includes decoding to uint8 images (what the verifier sees in the pipeline), the
   verifier, the advantage math and `policy_update`. Prompt choice and the window are taken from a
-  store built once beforehand (the run-level stages) and are not timed.
+  store built once beforehand (the run-level stages) and are not timed. It calls the stages' own
+  pure functions (`group_seeds`, `decode_uint8`, `atom_score_rows`, `atom_batch`,
+  `batch_credit`, `pick_advantage`, `policy_config`), so it does exactly the stages' work: its
+  LoRA must equal the stages' bitwise (printed as the same-work check;
+  tests/test_bench_iteration.py).
 - stages: the stage functions of tasks/*.py called directly on a fresh store (next_iteration,
   rollout, score_atoms, compute_advantages, train_epoch, report). The run-level stages
   (build_csgs, calibrate_window) run first on that store and are reported apart: they run once per
@@ -63,71 +67,53 @@ class Clock:
 
 def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, dict]:
     """One iteration of the math alone -> (seconds per part, final LoRA tensors)."""
-    from cast_core.advantage import (
-        atom_advantages,
-        atom_reward,
-        gate_by_parents,
-        pixel_advantage_map,
-        pool_to_grid,
-        scalar_advantages,
-    )
-    from cast_core.csg.graph import SceneGraph
-    from cast_core.policy import PolicyConfig, policy_update
+    from cast_core.batch_credit import batch_credit
+    from cast_core.csg.graph import ATOM_TYPES, SceneGraph
+    from cast_core.policy import linear_warmup_lr, policy_update
     from cast_core.rollout import rollout
+    from tasks.compute_advantages import atom_batch, credit_config
     from tasks.models import load_policy, lora_tensors, scorer, set_threads
-    from tasks.rollout_groups import rollout_spec
+    from tasks.rollout_groups import decode_uint8, group_seeds, rollout_spec
+    from tasks.score_atoms import atom_score_rows
     from tasks.stage import derive_seed
+    from tasks.train_epoch import pick_advantage, policy_config
 
     set_threads(recipe)
     clock, g, cfg, tr = Clock(), recipe.prompts.group_size, recipe.advantage, recipe.train
     spec = rollout_spec(recipe, window_row)
     prompts = [p["prompt"] for p in picks for _ in range(g)]
-    seeds = [derive_seed(recipe.run.seed, 0, p["prompt_id"], j) for p in picks for j in range(g)]
+    seeds, noise_seeds = group_seeds(recipe, picks, 0)
     graphs = [SceneGraph.from_json(p["graph_json"]) for p in picks]
 
     def sample(backbone):
-        result = rollout(backbone, prompts, seeds, spec, chunk_size=recipe.sampling.chunk_size)
-        images = (backbone.decode(result.x0) * 255).round().to(torch.uint8)  # [N, 3, H, W]
+        chunk = recipe.sampling.chunk_size
+        result = rollout(backbone, prompts, seeds, spec, chunk_size=chunk, noise_seeds=noise_seeds)
+        images = decode_uint8(backbone, result.x0, chunk)  # [N, 3, H, W]
         return result, images
 
     def score(images):
         return scorer(recipe)[1](images.float() / 255.0, [gr for gr in graphs for _ in range(g)])
 
     def advantages(scored, grid):
-        b, atoms = len(graphs), [gr.atoms() for gr in graphs]
-        a_max = max(len(a) for a in atoms)
-        hh, ww = scored[0][1].shape[-2:]
-        s = torch.zeros(b, g, a_max, dtype=torch.float64)  # [B, G, A]
-        heat = torch.zeros(b, g, a_max, hh, ww)  # [B, G, A, H, W]
-        mask = torch.zeros(b, a_max, dtype=torch.bool)  # [B, A]
-        parents = torch.zeros(b, a_max, a_max, dtype=torch.bool)  # [B, A, A]
-        for bi, graph_atoms in enumerate(atoms):
-            n, index = len(graph_atoms), {a.id: i for i, a in enumerate(graph_atoms)}
-            mask[bi, :n] = True
-            for ai, atom in enumerate(graph_atoms):
-                parents[bi, ai, [index[p] for p in atom.parents]] = True
-            for gi in range(g):
-                scores, heatmaps = scored[bi * g + gi]
-                s[bi, gi, :n] = torch.from_numpy(scores).double()
-                heat[bi, gi, :n] = torch.from_numpy(heatmaps.astype("float32"))
-        adv = atom_advantages(s, mask, cfg.std_floor)
-        a = gate_by_parents(adv.advantages, s, parents) if cfg.gate_by_parents else adv.advantages
-        scalar = scalar_advantages(atom_reward(s, mask, cfg.reward), cfg.scalar_mode, cfg.std_floor)
-        if cfg.kind == "scalar":
-            return scalar.advantages.reshape(-1).float()  # [N]
-        pix = pixel_advantage_map(a.reshape(b * g, a_max).float(), heat.reshape(b * g, a_max, hh, ww),
-                                  mask.repeat_interleave(g, 0), cfg.global_weight, cfg.clip)
-        return pool_to_grid(pix.map, *grid)  # [N, h, w]
+        samples = [{"prompt_id": p["prompt_id"], "sample_index": j} for p in picks
+                   for j in range(g)]
+        rows = atom_score_rows({}, samples, [gr for gr in graphs for _ in range(g)], scored, "")
+        parents = {(p["prompt_id"], a.id): list(a.parents) for p, gr in zip(picks, graphs)
+                   for a in gr.atoms()}
+        _, batch = atom_batch(rows, [p["prompt_id"] for p in picks], g, parents)
+        credit = batch_credit(batch, credit_config(cfg), grid, len(ATOM_TYPES))
+        return pick_advantage({"maps": credit.maps, "atom": credit.atom,
+                               "scalar": credit.scalar.advantages.reshape(-1).float()}, cfg.kind)
 
     def load_for_training():
         backbone, params = load_policy(recipe, None)
         return backbone, params, torch.optim.AdamW(params, lr=tr.lr, weight_decay=tr.weight_decay)
 
     def train(backbone, optimizer, result, adv):
-        config = PolicyConfig(advantage=cfg.kind, clip_range=tr.clip_range, kl_beta=tr.kl_beta,
-                              inner_epochs=tr.inner_epochs, micro_batch=tr.micro_batch,
-                              max_grad_norm=tr.max_grad_norm)
-        return policy_update(backbone, optimizer, prompts, result, spec, adv, config,
+        adv, loss_kind = adv
+        return policy_update(backbone, optimizer, prompts, result, spec, adv,
+                             policy_config(recipe, loss_kind),
+                             lr_for_step=lambda j: linear_warmup_lr(tr.lr, tr.warmup_steps, j),
                              shuffle_seed=derive_seed(recipe.run.seed, "shuffle", 0))
 
     start = time.perf_counter()
@@ -357,7 +343,7 @@ def report(fig: dict) -> None:
     print(f"  untimed: Prefect temporary server start + first flow {fig['prefect_server_start_s']:.1f}"
           f" s; an empty flow run {fig['prefect_empty_flow_s']:.2f} s")
     print(f"  same work check: max |LoRA bare - LoRA stages| = "
-          f"{fig['lora_max_abs_diff_bare_vs_stages']:.2e}")
+          f"{fig['lora_max_abs_diff_bare_vs_stages']:.2e} (must be 0)")
     print("ratios (of medians):")
     print(f"  stages / bare = {r['stages_over_bare']:.3f}  "
           f"(store overhead {r['stages_over_bare'] - 1:+.1%})")

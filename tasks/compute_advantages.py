@@ -18,7 +18,10 @@ zeroes a child atom's credit where a parent atom scored < 0.5.
 With `advantage.heatmap_source = "group_others"` each sample's maps are built from the mean of
 its group's other samples' heatmaps (`group_heatmaps`); the stored atom_scores keep every
 sample's own heatmap.
-Cached on the atom scores' content hash, the rollout's and the advantage section.
+Read -> pure functions -> write: `atom_batch` turns the stored rows into tensors,
+`cast_core.batch_credit.batch_credit` does the maths, `advantage_rows` builds the rows; each is
+tested on plain inputs. Cached on the atom scores' content hash, the rollout's and the advantage
+section.
 """
 
 from __future__ import annotations
@@ -27,24 +30,82 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from cast_core.advantage import (
-    atom_advantages,
-    atom_mean_credit,
-    atom_reward,
-    gate_by_parents,
-    group_heatmaps,
-    grouped_advantage_maps,
-    pixel_advantage_map,
-    pool_to_grid,
-    scalar_advantages,
-)
+from cast_core.batch_credit import AtomBatch, BatchCredit, CreditConfig, batch_credit
 from cast_core.csg.graph import ATOM_TYPES
-from tasks.recipe import Recipe
+from tasks.recipe import AdvantageSection, Recipe
 from tasks.score_atoms import load_rollout_rows
 from tasks.stage import StageRef, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "compute_advantages"
+
+
+def credit_config(section: AdvantageSection) -> CreditConfig:
+    """The maths' config from the recipe's `advantage` section (every field but `kind`)."""
+    return CreditConfig(**section.model_dump(exclude={"kind"}))
+
+
+def atom_batch(score_rows: list[dict], prompt_ids: list[str], group_size: int,
+               parents: dict[tuple[str, str], list[str]]) -> tuple[list[list[str]], AtomBatch]:
+    """(each prompt's atom ids, in the order of its first sample's rows; the batch) from
+    `atom_scores` rows (prompt_id, sample_index, atom_id, atom_type, score, heatmap as a
+    row-major list, heatmap_h, heatmap_w) of the G = group_size samples of each prompt in
+    `prompt_ids` (batch order), and each atom's direct parents by (prompt_id, atom_id)."""
+    by_key: dict[tuple[str, int], list[dict]] = {}
+    for r in score_rows:
+        by_key.setdefault((r["prompt_id"], r["sample_index"]), []).append(r)
+    missing = [(pid, gi) for pid in prompt_ids for gi in range(group_size)
+               if (pid, gi) not in by_key]
+    if missing:
+        raise ValueError(f"atom scores are missing for (prompt, sample) {missing[:5]}; the "
+                         f"scores stage must cover every sample of the rollout")
+    atom_ids = [[r["atom_id"] for r in by_key[(pid, 0)]] for pid in prompt_ids]
+    b, g, a_max = len(prompt_ids), group_size, max(len(ids) for ids in atom_ids)
+    first = by_key[(prompt_ids[0], 0)][0]
+    hh, ww = first["heatmap_h"], first["heatmap_w"]
+    scores = torch.zeros(b, g, a_max, dtype=torch.float64)  # [B, G, A]
+    heat = torch.zeros(b, g, a_max, hh, ww, dtype=torch.float32)  # [B, G, A, H, W]
+    mask = torch.zeros(b, a_max, dtype=torch.bool)  # [B, A]
+    types = torch.zeros(b, a_max, dtype=torch.int64)  # [B, A] index into ATOM_TYPES
+    parent = torch.zeros(b, a_max, a_max, dtype=torch.bool)  # [B, A, A]
+    for bi, pid in enumerate(prompt_ids):
+        index = {a: i for i, a in enumerate(atom_ids[bi])}
+        mask[bi, :len(index)] = True
+        for ai, r in enumerate(by_key[(pid, 0)]):
+            types[bi, ai] = ATOM_TYPES.index(r["atom_type"])
+            for p in parents[(pid, r["atom_id"])]:
+                parent[bi, ai, index[p]] = True
+        for gi in range(g):
+            for r in by_key[(pid, gi)]:
+                ai = index[r["atom_id"]]
+                scores[bi, gi, ai] = r["score"]
+                heat[bi, gi, ai] = torch.from_numpy(np.asarray(r["heatmap"], np.float32)
+                                                    ).view(hh, ww)
+    return atom_ids, AtomBatch(scores, heat, mask, types, parent)
+
+
+def advantage_rows(keys: dict, prompt_ids: list[str], atom_ids: list[list[str]],
+                   credit: BatchCredit, blob_path: str, blob_hash: str,
+                   grid: tuple[int, int]) -> tuple[list[dict], list[dict]]:
+    """(`advantages` rows, one per sample and atom; `advantage_maps` rows, one per sample) of
+    one batch's credit; keys = the columns every row shares (run_id, iteration)."""
+    adv, a, g = credit.atoms, credit.advantages, credit.rewards.shape[1]
+    adv_rows, map_rows = [], []
+    for bi, pid in enumerate(prompt_ids):
+        for gi in range(g):
+            i, sample = bi * g + gi, {**keys, "prompt_id": pid, "sample_index": gi}
+            adv_rows += [{**sample, "atom_id": atom, "advantage": float(a[bi, gi, ai]),
+                          "group_mean": float(adv.mean[bi, ai]),
+                          "group_std": float(adv.std[bi, ai]),
+                          "zero_variance": bool(adv.zero_variance[bi, ai]),
+                          "gated": bool(credit.gated[bi, gi, ai])}
+                         for ai, atom in enumerate(atom_ids[bi])]
+            map_rows.append({**sample, "reward": float(credit.rewards[bi, gi]),
+                             "scalar_advantage": float(credit.scalar.advantages[bi, gi]),
+                             "blob_index": i, "map_path": blob_path, "map_hash": blob_hash,
+                             "map_h": grid[0], "map_w": grid[1], "mass": float(credit.mass[i]),
+                             "coverage": float(credit.coverage[i])})
+    return adv_rows, map_rows
 
 
 def _log_prob_grid(store: Store, latents_path: str) -> tuple[int, int]:
@@ -53,19 +114,11 @@ def _log_prob_grid(store: Store, latents_path: str) -> tuple[int, int]:
     return int(shape[-2]), int(shape[-1])
 
 
-def _parents(store: Store, run_id: str, prompt_ids: list[str], atom_ids: list[list[str]],
-             a_max: int) -> torch.Tensor:
-    """parents [B, A, A] bool from the run's `atoms` rows."""
+def _parents(store: Store, run_id: str) -> dict[tuple[str, str], list[str]]:
+    """Each atom's direct parents by (prompt_id, atom_id), from the run's `atoms` rows."""
     table = store.read_table("atoms", {"run_id": run_id})
-    rows = {(r["prompt_id"], r["atom_id"]): r["parents"]
+    return {(r["prompt_id"], r["atom_id"]): r["parents"]
             for r in table.select(["prompt_id", "atom_id", "parents"]).to_pylist()}
-    out = torch.zeros(len(prompt_ids), a_max, a_max, dtype=torch.bool)
-    for b, (pid, ids) in enumerate(zip(prompt_ids, atom_ids)):
-        index = {a: i for i, a in enumerate(ids)}
-        for a, atom in enumerate(ids):
-            for parent in rows[(pid, atom)]:
-                out[b, a, index[parent]] = True
-    return out
 
 
 def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef) -> str:
@@ -75,75 +128,21 @@ def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef
 
 def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef,
                        iteration: int) -> StageRef:
-    run_id, cfg = recipe.run.name, recipe.advantage
+    run_id, g = recipe.run.name, recipe.prompts.group_size
 
     def body():
         samples = load_rollout_rows(store, rollouts)  # in blob order: prompt-major, G per prompt
-        g = recipe.prompts.group_size
         prompt_ids = [samples[i]["prompt_id"] for i in range(0, len(samples), g)]
-        b = len(prompt_ids)
-        table = store.read_output(scores, "atom_scores")
-        by_key = {}
-        for r in table.to_pylist():
-            by_key.setdefault((r["prompt_id"], r["sample_index"]), []).append(r)
-        atom_ids = [[r["atom_id"] for r in by_key[(pid, 0)]] for pid in prompt_ids]
-        a_max = max(len(ids) for ids in atom_ids)
-        first = by_key[(prompt_ids[0], 0)][0]
-        hh, ww = first["heatmap_h"], first["heatmap_w"]
-        s = torch.zeros(b, g, a_max, dtype=torch.float64)  # [B, G, A]
-        heat = torch.zeros(b, g, a_max, hh, ww, dtype=torch.float32)  # [B, G, A, H, W]
-        mask = torch.zeros(b, a_max, dtype=torch.bool)  # [B, A]
-        types = torch.zeros(b, a_max, dtype=torch.int64)  # [B, A] index into ATOM_TYPES
-        for bi, pid in enumerate(prompt_ids):
-            mask[bi, :len(atom_ids[bi])] = True
-            for ai, r in enumerate(by_key[(pid, 0)]):
-                types[bi, ai] = ATOM_TYPES.index(r["atom_type"])
-            for gi in range(g):
-                for ai, r in enumerate(by_key[(pid, gi)]):
-                    s[bi, gi, ai] = r["score"]
-                    heat[bi, gi, ai] = torch.from_numpy(np.asarray(r["heatmap"], np.float32)
-                                                        ).view(hh, ww)
-        adv = atom_advantages(s, mask, cfg.std_floor, cfg.atom_norm)
-        a = adv.advantages
-        gated = torch.zeros_like(a, dtype=torch.bool)  # [B, G, A]
-        if cfg.gate_by_parents:
-            parents = _parents(store, run_id, prompt_ids, atom_ids, a_max)
-            a = gate_by_parents(a, s, parents)
-            gated = gate_by_parents(torch.ones_like(a), s, parents) == 0
-        rewards = atom_reward(s, mask, cfg.reward)  # [B, G]
-        scalar = scalar_advantages(rewards, cfg.scalar_mode, cfg.std_floor)
-        flat_a = a.reshape(b * g, a_max).float()  # [N, A]
-        flat_heat = group_heatmaps(heat, cfg.heatmap_source).reshape(b * g, a_max, hh, ww)
-        flat_mask = mask.repeat_interleave(g, 0)  # [N, A]
-        pix = pixel_advantage_map(flat_a, flat_heat, flat_mask, cfg.global_weight, cfg.clip,
-                                  cfg.heatmap_norm, cfg.spatial_mix)
-        by_type = grouped_advantage_maps(flat_a, flat_heat, flat_mask,
-                                         types.repeat_interleave(g, 0), len(ATOM_TYPES),
-                                         cfg.global_weight, cfg.heatmap_norm,
-                                         cfg.spatial_mix)  # [N, 4, H, W]
-        h, w = _log_prob_grid(store, samples[0]["latents_path"])
-        maps = pool_to_grid(pix.map, h, w)  # [N, h, w]
-        type_maps = pool_to_grid(by_type.flatten(0, 1), h, w).view(b * g, len(ATOM_TYPES), h, w)
-        blob = store.put_tensors({"maps": maps, "scalar": scalar.advantages.reshape(-1).float(),
-                                  "atom": atom_mean_credit(flat_a, flat_mask, cfg.clip),
-                                  "type_maps": type_maps})
-        adv_rows, map_rows = [], []
-        for bi, pid in enumerate(prompt_ids):
-            for gi in range(g):
-                i = bi * g + gi
-                keys = {"run_id": run_id, "iteration": iteration, "prompt_id": pid,
-                        "sample_index": gi}
-                adv_rows += [{**keys, "atom_id": atom, "advantage": float(a[bi, gi, ai]),
-                              "group_mean": float(adv.mean[bi, ai]),
-                              "group_std": float(adv.std[bi, ai]),
-                              "zero_variance": bool(adv.zero_variance[bi, ai]),
-                              "gated": bool(gated[bi, gi, ai])}
-                             for ai, atom in enumerate(atom_ids[bi])]
-                map_rows.append({**keys, "reward": float(rewards[bi, gi]),
-                                 "scalar_advantage": float(scalar.advantages[bi, gi]),
-                                 "blob_index": i, "map_path": blob.path, "map_hash": blob.sha256,
-                                 "map_h": h, "map_w": w, "mass": float(pix.mass[i]),
-                                 "coverage": float(pix.coverage[i].mean())})
+        score_rows = store.read_output(scores, "atom_scores").to_pylist()
+        atom_ids, batch = atom_batch(score_rows, prompt_ids, g, _parents(store, run_id))
+        grid = _log_prob_grid(store, samples[0]["latents_path"])
+        credit = batch_credit(batch, credit_config(recipe.advantage), grid, len(ATOM_TYPES))
+        blob = store.put_tensors({"maps": credit.maps,
+                                  "scalar": credit.scalar.advantages.reshape(-1).float(),
+                                  "atom": credit.atom, "type_maps": credit.type_maps})
+        adv_rows, map_rows = advantage_rows({"run_id": run_id, "iteration": iteration},
+                                            prompt_ids, atom_ids, credit, blob.path,
+                                            blob.sha256, grid)
         part = f"{run_id}-{iteration:05d}"
         return [blob, store.write_table("advantages", adv_rows, part),
                 store.write_table("advantage_maps", map_rows, part)]

@@ -155,11 +155,6 @@ def graph_builder(recipe: Recipe) -> Callable[[dict], SceneGraph]:
     return lambda record: builder.build(record["prompt"], record.get("tag"))
 
 
-def build_graph(recipe: Recipe, record: dict) -> SceneGraph:
-    """One prompt record -> its CSG with the recipe's builder (see `graph_builder`)."""
-    return graph_builder(recipe)(record)
-
-
 def builder_id(recipe: Recipe) -> str:
     """The builder's identity in cache keys (model + template version for the LLM builders)."""
     b = recipe.builder

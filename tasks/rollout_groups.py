@@ -97,8 +97,20 @@ def contact_sheet(images: torch.Tensor, columns: int) -> bytes:
     return buffer.getvalue()
 
 
+def group_seeds(recipe: Recipe, picks: list[dict], iteration: int
+                ) -> tuple[list[int], list[int] | None]:
+    """(each sample's seed, each sample's initial-noise seed or None) for the G samples of each
+    picked prompt, prompt-major (module docstring)."""
+    g, seed = recipe.prompts.group_size, recipe.run.seed
+    seeds = [derive_seed(seed, iteration, p["prompt_id"], j) for p in picks for j in range(g)]
+    if not recipe.sampling.shared_noise:
+        return seeds, None
+    return seeds, [derive_seed(seed, iteration, p["prompt_id"], "initial-noise")
+                   for p in picks for _ in range(g)]
+
+
 @torch.no_grad()
-def _decode_uint8(backbone, x0: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def decode_uint8(backbone, x0: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Latents [N, C, h, w] -> uint8 images [N, 3, H, W] on the CPU, decoded `chunk_size` at a
     time (a VAE decode at full resolution is the memory peak of a rollout)."""
     return torch.cat([(backbone.decode(x) * 255).round().to(torch.uint8).cpu()
@@ -127,16 +139,13 @@ def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRe
         spec = rollout_spec(recipe, window_row)
         picks = select_prompts(store, recipe, csgs, iteration)
         prompts = [p["prompt"] for p in picks for _ in range(g)]
-        seeds = [derive_seed(recipe.run.seed, iteration, p["prompt_id"], j)
-                 for p in picks for j in range(g)]
-        noise_seeds = ([derive_seed(recipe.run.seed, iteration, p["prompt_id"], "initial-noise")
-                        for p in picks for _ in range(g)] if recipe.sampling.shared_noise else None)
+        seeds, noise_seeds = group_seeds(recipe, picks, iteration)
         chunk = recipe.sampling.chunk_size
         with stage_progress(-(-len(prompts) // chunk) * spec.num_steps,
                             f"rollout {iteration} ({len(prompts)} samples)") as advance:
             result = rollout(backbone, prompts, seeds, spec, chunk_size=chunk,
                              noise_seeds=noise_seeds, progress=advance)
-        images = _decode_uint8(backbone, result.x0, recipe.sampling.chunk_size)  # [N, 3, H, W]
+        images = decode_uint8(backbone, result.x0, recipe.sampling.chunk_size)  # [N, 3, H, W]
         steps = store.put_tensors({"x0": result.x0, "latents": result.latents,
                                    "next_latents": result.next_latents,
                                    "log_probs": result.log_probs, "t": result.t,

@@ -37,6 +37,28 @@ def score_in_chunks(score: Scorer, images: torch.Tensor, graphs: list[SceneGraph
     return out
 
 
+def atom_score_rows(keys: dict, samples: list[dict], graphs: list[SceneGraph],
+                    results: list[tuple[np.ndarray, np.ndarray]], scorer_id: str) -> list[dict]:
+    """`atom_scores` rows, one per sample and atom in graph order: samples (prompt_id,
+    sample_index), their graphs and the scorer's (scores [A], heatmaps [A, H, W]) in the same
+    order; keys = the columns every row shares (run_id, iteration)."""
+    out = []
+    for sample, graph, (scores, heatmaps) in zip(samples, graphs, results, strict=True):
+        atoms = graph.atoms()
+        if len(scores) != len(atoms) or len(heatmaps) != len(atoms):
+            raise ValueError(f"the scorer returned {len(scores)} scores and {len(heatmaps)} "
+                             f"heatmaps for the {len(atoms)} atoms of {graph.prompt!r}; it must "
+                             f"return one of each per atom, in graph order")
+        for atom, s, heat in zip(atoms, scores, heatmaps):
+            out.append({**keys, "prompt_id": sample["prompt_id"],
+                        "sample_index": sample["sample_index"], "atom_id": atom.id,
+                        "atom_type": atom.type, "score": float(s),
+                        "heatmap": heat.astype("float32").ravel(),
+                        "heatmap_h": heat.shape[0], "heatmap_w": heat.shape[1],
+                        "scorer_id": scorer_id})
+    return out
+
+
 def load_graphs(store: Store, csgs: StageRef) -> dict[str, str]:
     """{prompt_id: graph JSON} of the run's CSGs."""
     rows = store.read_output(csgs, "csgs", ["prompt_id", "graph_json"]).to_pylist()
@@ -60,16 +82,9 @@ def score_atoms(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         graphs = [SceneGraph.from_json(graph_json[r["prompt_id"]]) for r in rows]
         images = store.get_tensors(rows[0]["image_path"])["images"]  # uint8 [N, 3, H, W]
         images = images[[r["blob_index"] for r in rows]].float() / 255.0
-        out = []
         results = score_in_chunks(score, images, graphs, recipe.sampling.chunk_size)
-        for row, graph, (scores, heatmaps) in zip(rows, graphs, results):
-            for atom, s, heat in zip(graph.atoms(), scores, heatmaps):
-                out.append({"run_id": run_id, "iteration": iteration,
-                            "prompt_id": row["prompt_id"], "sample_index": row["sample_index"],
-                            "atom_id": atom.id, "atom_type": atom.type, "score": float(s),
-                            "heatmap": heat.astype("float32").ravel(),
-                            "heatmap_h": heat.shape[0], "heatmap_w": heat.shape[1],
-                            "scorer_id": scorer_id})
+        out = atom_score_rows({"run_id": run_id, "iteration": iteration}, rows, graphs, results,
+                              scorer_id)
         return [store.write_table("atom_scores", out, f"{run_id}-{iteration:05d}")]
 
     return run_stage(store, run_id, iteration, STAGE, cache_key(store, recipe, csgs, rollouts),

@@ -229,7 +229,7 @@ def _refuse_non_finite(lora: dict[str, torch.Tensor], optimizer_state: dict[str,
          "grad_norms": [None if u.skipped else u.grad_norm for u in updates]})
 
 
-def _pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
+def pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
     """(advantages, loss kind) for `advantage.kind`: "spatial" the maps [N, h, w], "scalar" the
     scalar advantages [N], "atom" the no-map credit [N] broadcast to a constant map [N, h, w]
     (the spatial loss, so the only difference from CAST is the map)."""
@@ -240,6 +240,15 @@ def _pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Ten
     if kind == "atom":
         return blob["atom"][:, None, None].expand_as(blob["maps"]).contiguous(), "spatial"
     raise ValueError(f"advantage.kind must be 'spatial', 'scalar' or 'atom'; got {kind!r}")
+
+
+def policy_config(recipe: Recipe, loss_kind: str) -> PolicyConfig:
+    """The update's config from the recipe's `train` section, for the loss `pick_advantage` (or
+    ReCAST's step maps) chose: "spatial" or "scalar"."""
+    tr = recipe.train
+    return PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range, kl_beta=tr.kl_beta,
+                        inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
+                        micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
 
 
 def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef,
@@ -257,11 +266,11 @@ def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef
 
 def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], window: SdeWindow,
                 gains: StageRef | None) -> tuple[torch.Tensor, str, str | None]:
-    """(advantages, loss kind, step weights as JSON or None): `_pick_advantage`, or with
+    """(advantages, loss kind, step weights as JSON or None): `pick_advantage`, or with
     `recast.weighting` the type maps weighted per window step ([N, K, h, w])."""
     weights = reward_step_weights(store, recipe, window.start, window.end, gains)  # [4, K]
     if weights is None:
-        return *_pick_advantage(blob, recipe.advantage.kind), None
+        return *pick_advantage(blob, recipe.advantage.kind), None
     maps = step_weighted_maps(blob["type_maps"], weights, recipe.advantage.clip)
     text = json.dumps({k: [round(float(x), 6) for x in weights[i]]
                        for i, k in enumerate(ATOM_TYPES)})
@@ -302,10 +311,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         adv_blob = store.get_tensors(store.read_output(advantages, "advantage_maps",
                                                        ["map_path"])["map_path"][0].as_py())
         adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
-        config = PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range,
-                              kl_beta=tr.kl_beta, inner_epochs=tr.inner_epochs,
-                              steps_per_epoch=tr.steps_per_epoch, micro_batch=tr.micro_batch,
-                              max_grad_norm=tr.max_grad_norm)
+        config = policy_config(recipe, loss_kind)
         total = tr.steps_per_epoch * tr.inner_epochs
         before = [p.detach().clone() for p in params]
 

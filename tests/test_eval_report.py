@@ -27,7 +27,7 @@ from cast_core.diagnostics import high_frequency_energy, param_change_norm
 from cast_core.shapes.prompts import load_prompt_file
 from tasks.eval_report import REPORT, main, write_report
 from tasks.evaluate_checkpoint import evaluate_checkpoint
-from tasks.models import build_graph, load_policy
+from tasks.models import graph_builder, load_policy
 from tasks.schemas import TABLES
 from tasks.store import Store
 
@@ -117,10 +117,10 @@ def test_accuracy_table_equals_the_overall_evals_rows(run):
 
 def test_atom_count_groups_follow_the_prompts_and_match_the_report(run):
     store, recipe, _, markdown = run
-    ev = recipe.eval
+    ev, build = recipe.eval, graph_builder(recipe)
     rows = _rows(store, "evals", run_id=recipe.run.name, group_kind="atom_count", iteration=1)
     for split, path in ev.splits.items():
-        counts = Counter(str(len(build_graph(recipe, r).atoms()))
+        counts = Counter(str(len(build(r).atoms()))
                          for r in load_prompt_file(path)[:ev.max_prompts])
         want = {n: c * ev.images_per_prompt for n, c in counts.items()}
         assert {r["group_name"]: r["images"] for r in rows if r["split"] == split} == want
