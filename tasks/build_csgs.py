@@ -8,12 +8,13 @@ the store untouched; so does a record the builder fails on (its error, with file
 
 from __future__ import annotations
 
+from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.shapes.prompts import PromptFileError
 from tasks.models import builder_id, graph_builder
 from tasks.prompt_sets import prompt_lines
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
-from tasks.stage import RUN_LEVEL, StageRef, file_hash, make_key, run_stage, stage_task
+from tasks.stage import RUN_LEVEL, StageRef, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "build_csgs"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from cast_core.calibration import calibrate_window as calibrate
 from cast_core.calibration import similarity_curves
+from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.window import fixed_window
 from tasks.models import base_hash, load_base, set_threads
 from tasks.plots import plot_calibration
@@ -23,7 +24,7 @@ from tasks.progress import stage_progress
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
-from tasks.stage import RUN_LEVEL, StageRef, derive_seed, file_hash, make_key, run_stage, stage_task
+from tasks.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "calibrate_window"

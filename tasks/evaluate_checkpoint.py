@@ -37,6 +37,7 @@ import torch
 from prefect import task
 
 from cast_core.diagnostics import high_frequency_energy
+from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.metrics import ImageResult, image_groups, summarise, summarise_by_atom_type
 from cast_core.sampling import sample_ode
 from tasks.calibrate_window import image_embedder, image_embedder_spec
@@ -47,7 +48,7 @@ from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.rollout_groups import contact_sheet
 from tasks.score_atoms import score_in_chunks
-from tasks.stage import StageRef, file_hash, make_key, run_stage, stage_task
+from tasks.stage import StageRef, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "evaluate"

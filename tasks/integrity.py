@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from cast_core.hub_snapshot import file_sha256
 from tasks import stage as stage_protocol  # code_version looked up at call time
 from tasks.recipe import Recipe
 from tasks.run_pin import pin_recipe
@@ -35,7 +36,6 @@ from tasks.store import (
     Store,
     blob_name_hash,
     combined_hash,
-    file_sha256,
     parquet_readable,
 )
 

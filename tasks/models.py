@@ -11,7 +11,6 @@ seed, so iteration 0 of two runs with the same seed starts from the same adapter
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections import defaultdict
@@ -23,10 +22,10 @@ import torch
 
 from cast_core.csg.graph import SceneGraph
 from cast_core.csg.parser import graph_from_geneval
-from cast_core.hub_snapshot import local_folder, snapshot_identity
+from cast_core.hub_snapshot import model_identity
 from cast_core.policy import add_lora
 from tasks.recipe import Recipe
-from tasks.stage import derive_seed, tree_hash
+from tasks.stage import derive_seed
 
 
 def set_threads(recipe: Recipe) -> None:
@@ -62,25 +61,6 @@ def load_base(recipe: Recipe):
     if b.gradient_checkpointing:
         backbone.enable_gradient_checkpointing()
     return backbone.to(b.device).eval()
-
-
-def model_identity(path_or_hub_id: str) -> str:
-    """A content identity of a model folder or hub id, for cache keys: `repo@commit` for a
-    Hugging Face cache snapshot (a hub id is resolved to its snapshot first, downloading it as
-    `from_pretrained` would), else the sha256 of every file (memoised per process on the files'
-    names, sizes and mtimes, since real checkpoints are tens of GB)."""
-    path = local_folder(path_or_hub_id)
-    identity = snapshot_identity(path)
-    if identity:
-        return identity
-    files = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in sorted(path.rglob("*")) if p.is_file())
-    return _tree_hash_memo(str(path), files)
-
-
-@functools.lru_cache(maxsize=16)
-def _tree_hash_memo(folder: str, files: tuple) -> str:
-    return tree_hash(folder)
 
 
 def base_hash(recipe: Recipe) -> str:
@@ -174,15 +154,10 @@ def scorer(recipe: Recipe) -> tuple[str, Scorer]:
     [A, h, w])]). Loads the model; use `scorer_id` for a cache key."""
     s = recipe.scorer
     if s.kind == "shapes-verifier":
-        from cast_core.shapes.verifier import VerifierConfig, verify
-        from cast_core.shapes.verifier import scorer_id as verifier_id
+        from cast_core.scorers.registry import load_scorer
 
-        config = VerifierConfig()
-
-        def score(images: torch.Tensor, graphs: list[SceneGraph]):
-            return [(r.scores, r.heatmaps) for r in verify(images, graphs, config)]
-
-        return verifier_id(config), score
+        loaded = load_scorer("shapes-verifier")
+        return loaded.scorer_id, loaded.score
     if s.kind == "soft-tifa":
         from cast_core.scorers.soft_tifa import SoftTifaScorer
 
@@ -205,7 +180,9 @@ def scorer_id(recipe: Recipe) -> str:
 
         return verifier_id()
     if s.kind == "soft-tifa":
-        return f"soft-tifa-v1({model_identity(s.path)}, {_soft_tifa_config(recipe)})"
+        from cast_core.scorers.soft_tifa import scorer_id as soft_tifa_id
+
+        return soft_tifa_id(model_identity(s.path), _soft_tifa_config(recipe))
     if s.kind == "remote":
         from cast_core.scorers.remote import RemoteScorer
 

@@ -42,6 +42,7 @@ import torch
 from PIL import Image, ImageOps
 
 from cast_core.csg.parser import graph_from_geneval
+from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.recast_gains import (
     ATOM_TYPES,
     RecastGains,
@@ -62,7 +63,7 @@ from tasks.policy_state import policy_for
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.schemas import prompt_id
-from tasks.stage import StageRef, derive_seed, file_hash, make_key, run_stage, stage_task
+from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
 from tasks.store import Store
 
 STAGE = "recast_gains"

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from tasks.store import BlobRef, StageRecord, Store, TableRef
-from tasks.store import file_sha256 as file_hash
 
 RUN_LEVEL = -1
 _PACKAGES = ("cast_core", "tasks")
@@ -108,16 +107,6 @@ def make_key(stage: str, config: Any, inputs: dict[str, str]) -> str:
     payload = {"stage": stage, "config": config, "inputs": inputs, "code": code_version()}
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def tree_hash(folder: str | Path) -> str:
-    """sha256 over every file under a folder (relative path + content hash), e.g. a checkpoint."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder")
-    lines = [f"{p.relative_to(folder).as_posix()}\t{file_hash(p)}"
-             for p in sorted(folder.rglob("*")) if p.is_file()]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def derive_seed(*parts: object) -> int:

@@ -49,6 +49,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from cast_core.hub_snapshot import file_sha256
 from tasks.schemas import TABLES, SchemaError, conform, table_spec, view_sql
 
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]*")
@@ -439,15 +440,6 @@ def atomic_write(final: Path, write: Callable[[str], None], *, exclusive: bool =
     finally:
         os.close(directory)
     return digest
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 hex digest of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_and_hash(path: Path) -> str:

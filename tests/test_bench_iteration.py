@@ -8,13 +8,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_iteration import bare_iteration, stage_iteration, stored_lora  # noqa: E402
+from bench_iteration import bare_iteration, stage_iteration, stored_lora
 
-from tasks.build_csgs import build_csgs  # noqa: E402
-from tasks.calibrate_window import calibrate_window, read_window  # noqa: E402
-from tasks.recipe import load_recipe  # noqa: E402
-from tasks.rollout_groups import select_prompts  # noqa: E402
-from tasks.store import Store  # noqa: E402
+from tasks.build_csgs import build_csgs
+from tasks.calibrate_window import calibrate_window, read_window
+from tasks.recipe import load_recipe
+from tasks.rollout_groups import select_prompts
+from tasks.store import Store
 
 
 @pytest.mark.parametrize("recipe_name", ["shapes-cast", "shapes-flowgrpo"])

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from pipeline_helpers import CI_RECIPE, SMALL, reference, run_iteration
 
+from cast_core.hub_snapshot import file_sha256
 from flows.cli import main
 from tasks import score_atoms
 from tasks.build_csgs import build_csgs_task
@@ -24,7 +25,7 @@ from tasks.report import iteration_report
 from tasks.rollout_groups import rollout_groups, rollout_task
 from tasks.run_pin import RecipeMismatch, pin_recipe, read_pin
 from tasks.stage import StageRef
-from tasks.store import DamagedPartWarning, Store, file_sha256
+from tasks.store import DamagedPartWarning, Store
 
 
 @pytest.fixture(scope="module")

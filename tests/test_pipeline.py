@@ -23,11 +23,11 @@ from pipeline_helpers import (
 )
 from safetensors import safe_open
 
+from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.policy import kl_targeted_lr
 from tasks.calibrate_window import calibrate_window, read_window
 from tasks.models import load_base, load_policy
 from tasks.policy_state import policy_for
-from tasks.stage import file_hash
 from tasks.store import Store
 from tasks.train_epoch import train_epoch
 

@@ -31,6 +31,8 @@ from tiny_models import (
     save_qwen_image_pipeline,
 )
 
+from cast_core import hub_snapshot
+from cast_core.scorers.registry import ScorerArgs, load_scorer
 from flows.scorer_service import make_app, serve_in_thread
 from tasks import models
 from tasks.eval_report import write_report
@@ -202,7 +204,7 @@ def _check_evals(store: Store, recipe: Recipe) -> None:
 def _check_second_run_skips(store: Store, recipe: Recipe, first: dict) -> None:
     """Every stage skips with the same key and writes nothing; the model identities are
     recomputed from the folders (the per-process memo is cleared)."""
-    models._tree_hash_memo.cache_clear()
+    hub_snapshot._folder_sha256_memo.cache_clear()
     before = _snapshot(store)
     again = run_iteration(store, recipe, 0)
     again["evaluate"] = evaluate_checkpoint(store, recipe, 0)
@@ -241,6 +243,17 @@ def test_qwen_image_with_a_remote_soft_tifa_runs_a_full_iteration(tiny, tmp_path
         # the same service under another spelling of its URL is the same scorer: cache hits
         _check_all(store, recipe, _run_all(store, recipe), rerun=moved)
         assert {r["scorer_id"] for r in _rows(store, "atom_scores")} == {scorer_id}
+
+
+def test_a_served_soft_tifa_has_the_id_of_the_same_scorer_in_process(tiny):
+    """One scorer id for one model and config: the service's registry and a run's recipe both
+    name the model by its content identity (before, the registry used the folder's name)."""
+    recipe = _recipe(tiny, "flux2", {**_soft_tifa(tiny), "max_pixels": None})  # the defaults
+    served = load_scorer("soft-tifa", ScorerArgs(model=str(tiny["vlm"])))
+    assert served.scorer_id == models.scorer_id(recipe)
+    assert hub_snapshot.model_identity(tiny["vlm"]) in served.scorer_id
+    other = _recipe(tiny, "flux2", _soft_tifa(tiny))  # another max_pixels: another scorer
+    assert models.scorer_id(other) != served.scorer_id
 
 
 def test_flux2_klein_trains_with_recast_weights_from_a_positives_folder(tiny, tmp_path):

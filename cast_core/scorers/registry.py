@@ -4,16 +4,16 @@
 model code lazily: loading one scorer does not import the heavy dependencies of the others. The
 HTTP server that serves a loaded scorer, and its command line, are `flows.scorer_service`.
 
-A scorer id is what score caches key on: `shapes-verifier` gives the verifier's own
-(`cast_core.shapes.verifier.scorer_id`), `soft-tifa` gives
-"soft-tifa-v1(<model folder name>, <SoftTifaConfig>)".
+A scorer id is what score caches key on, built by the scorer's own module:
+`cast_core.shapes.verifier.scorer_id` and `cast_core.scorers.soft_tifa.scorer_id` (the model's
+content identity and the config), the same functions a local run's `tasks.models.scorer_id`
+calls, so a served scorer and the same scorer loaded in-process have one id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 
 import torch
@@ -50,15 +50,15 @@ def _shapes_verifier(args: ScorerArgs) -> LoadedScorer:
 
 
 def _soft_tifa(args: ScorerArgs) -> LoadedScorer:
-    from cast_core.scorers.soft_tifa import SoftTifaConfig, SoftTifaScorer
+    from cast_core.hub_snapshot import model_identity
+    from cast_core.scorers.soft_tifa import SoftTifaConfig, SoftTifaScorer, scorer_id
 
     if args.model is None:
         raise ValueError("soft-tifa needs --model PATH (a Qwen3-VL folder saved with "
                          "save_pretrained)")
     config = SoftTifaConfig()
     scorer = SoftTifaScorer.from_pretrained(args.model, config, args.device, args.dtype)
-    return LoadedScorer(f"soft-tifa-v1({Path(args.model).resolve().name}, {config})",
-                        scorer.score)
+    return LoadedScorer(scorer_id(model_identity(args.model), config), scorer.score)
 
 
 SCORERS: MappingProxyType[str, Callable[[ScorerArgs], LoadedScorer]] = MappingProxyType({

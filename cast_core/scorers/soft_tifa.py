@@ -111,6 +111,15 @@ class SoftTifaConfig:
                              f"({self.min_pixels}); raise max_pixels or lower min_pixels")
 
 
+VERSION = "soft-tifa-v1"
+
+
+def scorer_id(model: str, config: SoftTifaConfig) -> str:
+    """What score caches key on: the version, the model's content identity
+    (`cast_core.hub_snapshot.model_identity` of its folder or hub id) and the config."""
+    return f"{VERSION}({model}, {config})"
+
+
 class SoftTifaScores(NamedTuple):
     """One image: scores [A] float32 in [0, 1]; heatmaps [A, H, W] float32, each summing to 1."""
 
