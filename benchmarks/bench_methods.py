@@ -7,95 +7,25 @@ learning curves, paired final evaluations and sample efficiency.
         [--iterations N] [--per-iteration B] [--group-size G] [--probe-images N] [--set K=V]
         [--pool-images N] [--hard-images N] [--eval-images N] [--held-out-prompts N]
 
-Protocols (`PROTOCOLS`; every flag overrides its field). The default, `cfg1-pool8` (the recipes'
-footing): CFG 1 for every rollout and evaluation, the pool's first 8 prompts, each iteration's lr
-set to move the policy 0.03 nats a sample and window step (from 1e-3), 3 seeds x 40 iterations of
-8 prompts x 16 samples, probe 8 images a prompt, final pool 16, hard and eval 2 on 64 prompts
-each (reports/cfg1-pool8-40it-kl003; 14-17 min per arm and seed, 2 runs at a time with `--jobs 2
---threads 1`). `cfg1-pool8-lr4e-4`: the same at a constant lr 4e-4
-(reports/cfg1-pool8-40it-lr4e-4). `cfg4-pool32`: the recipes' footing before 2026-12-06, CFG 4
-and a constant lr 1e-3 on all 32 pool prompts, `FULL` below (reports/cast-vs-flowgrpo). `quick`
-(--quick): the default's footing for Flow-GRPO alone, 1 seed x 16 iterations (`QUICK`).
-`--set SECTION.FIELD=VALUE` puts one more lever on every arm (e.g. `train.lora_rank=32`).
+Run it from the repository root. Protocols (`methods.protocols.PROTOCOLS`; every flag overrides
+its field): the default, `cfg1-pool8` (the recipes' footing): CFG 1 for every rollout and
+evaluation, the pool's first 8 prompts, each iteration's lr set to move the policy 0.03 nats a
+sample and window step (from 1e-3), 3 seeds x 40 iterations of 8 prompts x 16 samples, probe 8
+images a prompt, final pool 16, hard and eval 2 on 64 prompts each
+(reports/cfg1-pool8-40it-kl003). `cfg1-pool8-lr4e-4`: the same at a constant lr 4e-4
+(reports/cfg1-pool8-40it-lr4e-4). `cfg4-pool32`: CFG 4 and a constant lr 1e-3 on all 32 pool
+prompts, 3 seeds x 16 iterations (`FULL`; reports/cast-vs-flowgrpo). `quick` (--quick): the
+default's footing for Flow-GRPO alone, 1 seed x 16 iterations (`QUICK`). `--suite` picks the
+arms (`methods.arms`), `--arms` any arms of any suite, flowgrpo among them; `--set
+SECTION.FIELD=VALUE` puts one more lever on every arm (e.g. `train.lora_rank=32`).
 
-Run it from the repository root. Arms (every one from the committed base model; `arms()`):
-flowgrpo (data/recipes/shapes-flowgrpo.toml: scalar reward = mean atom score, group z-score,
-hand-set window [0, 3), all-dims clip range) and cast (data/recipes/shapes-cast.toml: calibrated
-window, atom z-scores projected through the verifier's heatmaps, per-position clip range) form
-suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
-cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
-cast-no-map-fixed-window; per-atom vs scalar credit, which in cast-no-map-fixed-window - flowgrpo
-comes with the per-position ratio instead of the all-dims one: no arm changes the ratio alone; and
-the `FIXES`); suite `recast` adds the ReCAST pairs (recast-equal against cast, recast-skewed
-against static-skewed at budgets `SKEWED`); suite `nft` adds the forward-process arms nft
-(scalar reward) and nft-cast (CAST's map as a per-position optimality), which sample with the ODE
-(`NFT`). `--arms` picks any arms of any suite, flowgrpo among them.
+Each arm x seed is run `<prefix>-<arm>-s<seed>` (prefix `bench`, `quick` with --quick), the base
+model run `<prefix>-base` (evaluated once, shared), all on one store. Re-running on the same store
+resumes: finished stages are skipped. Keep one size per store. report.md and figures.json go to
+the report directory.
 
-Protocol. Every arm trains on data/prompts/pool.jsonl (32 hard-tag train prompts, disjoint from
-every evaluation prompt) with `prompts.selection = "cycle"`: iteration k trains on pool positions
-(k B + j) mod 32, so every prompt comes back every 32 / B iterations and all arms see the same
-prompts at the same iteration; run seed s gives every arm the same rollout noise. The train
-settings other than the clip range are equal across arms (checked, `check_equal_budget`). Stages
-are called as functions (no Prefect server) on one store; each arm x seed is run
-`<prefix>-<arm>-s<seed>` (prefix `bench`, `quick` with --quick), the base model run
-`<prefix>-base` (evaluated once, shared). Evaluations (the evaluate stage, one `evals` part per
-split; `EvalPass`):
-- probe, after every iteration and for the base (iteration -1): the 32 pool prompts x
-  `probe_images`, seed offset 0 (the same noise at every checkpoint, so the curve shows a trend
-  rather than a draw);
-- final, after the last iteration and for the base: split "pool" (the training prompts with fresh
-  noise, seed offset 1000) x `pool_images`, and the held-out splits "hard"
-  (data/prompts/hard.jsonl) x `hard_images` and "eval" (data/prompts/eval.jsonl) x `eval_images`
-  (seed offset 0; `held_out_prompts` keeps an evenly spaced subset of each for small runs). Every
-  arm and the base use the same prompts and noise: the eval specs are checked equal, so every
-  gain and every difference between arms is paired.
-Re-running on the same store resumes: finished stages are skipped. Keep one size per store.
-
-Statistics (benchmarks/methods/stats.py; the report states each): gain = final - base per arm, seed,
-split and metric (mean atom score, strict accuracy), mean over seeds with a 95% t-interval over
-seeds (with one seed, the paired prompt-bootstrap interval of that seed's gain); cast - flowgrpo
-per seed with a t-interval; gain ratios with a paired bootstrap over seeds; each checkpoint's
-figures with a 95% bootstrap over prompts (clusters) and the half-width image noise alone gives.
-Learning curves: the probe's mean atom score and strict accuracy against samples seen (the
-checkpoint of iteration k has trained on (k + 1) B G samples, the base on 0) and against wall time
-(the run's cumulative stage seconds, from the `stages` table: CSGs and calibration, then each
-iteration's rollout, scores, advantages, ReCAST gains if any, and training; evaluations excluded).
-Sample efficiency: the samples each arm's mean probe curve needs to reach Flow-GRPO's final probe
-score (linear between checkpoints), over Flow-GRPO's, bootstrap over seeds. figures.json beside
-report.md: one entry per target of issue 17 (`methods.figures.figures`).
-
-Sizing, measured on this 2-core machine (2026-12-03, the committed base model; two other jobs
-shared the cores, so the loaded figures are upper bounds). The base's images, each scored by its
-mean atom score (pool: 32 prompts x 16 images at seed offset 1000; hard 200 x 2; eval 207 x 2):
-
-    split  per-image SD  within-prompt SD  SD of prompt means  mean
-    pool   0.189         0.174             0.087 (x16 images)  0.621
-    hard   0.182         0.170             0.136 (x2)          0.586
-    eval   0.276         0.207             0.234 (x2)          0.577
-
-A 95% half-width of 0.01 from image noise (prompts held fixed) needs (1.96 x within-prompt SD /
-0.01)^2 images: pool 1166 (36 a prompt), hard 1115 (6), eval 1654 (8); treating images as
-independent (per-image SD), 1375, 1268 and 2933. With prompts as clusters, the spread between
-prompts sets a floor that more images cannot lower: about +-0.026 on the pool (32 prompts; but
-the pool is the whole population being trained, so the image-noise half-width is the one that
-applies there), +-0.009 on hard and +-0.025 on eval. Times at 2 threads, at a quiet moment: one
-iteration at B = 8, G = 16 took 17.4 s (rollout 9.9, scores 0.3, advantages 0.2, training 7.0;
-cast), the probe 11.0 s for its 128 images, i.e. 0.086 s an evaluated image (the same figures as
-the earlier quiet runs: 16-18 s per 128-sample iteration, 9.15 s to sample 128 images); under the
-load, 50-200 s an iteration and 0.19-0.21 s an image (threads 1).
-- FULL (the default; suite main): 3 seeds x 16 iterations x 8 prompts x 16 samples (2048 samples
-  a run, every pool prompt 4 times), probe 4 images a prompt, final pool 32 images a prompt (1024
-  images: +-0.011 from image noise), hard 6 (1200: +-0.010; with prompt clusters about +-0.013),
-  eval 4 (828: +-0.014; with prompt clusters about +-0.029; 8 a prompt would reach +-0.010 from
-  image noise for 71 s more per run, which the time budget does not hold). Estimate at the quiet
-  figures: 2 + 16 x (17.5 + 11.0) + 3052 x 0.086 = 720 s = 12.0 min per arm and seed, the base
-  4.6 min, about 77 min for the 2 arms x 3 seeds; on a loaded machine up to twice that.
-  Measured with the recipes' 2 inner epochs x 2 optimizer steps (2026-12-03, mostly quiet):
-  80.1 min wall, 12.5 min a run (10.4-15.3), an iteration 22.6 s (flowgrpo) / 23.8 s (cast),
-  the probe 8.2-8.7 s, the final pool / hard / eval 67 / 79 / 57 s. Suite
-  ablations (11 arms) takes about 6.7 h, suite recast (5 arms) about 3.2 h.
-- QUICK: flowgrpo, 1 seed, 16 iterations, probe 8, final pool 16 images a prompt, hard and eval
-  2 images on 64 evenly spaced prompts each, at the quick protocol's CFG 1 and 8 pool prompts.
+The package `benchmarks/methods/` does the work, one concern a module (its `__init__` lists them).
+Dated sizing, timings and what earlier runs found: reports/bench-methods-history.md.
 """
 
 from __future__ import annotations

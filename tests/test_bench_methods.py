@@ -46,6 +46,7 @@ from methods.protocols import (
     run_name,
     with_eval,
 )
+from methods.report import what_was_tried
 from methods.stats import (
     Interval,
     PromptScores,
@@ -619,3 +620,15 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
     assert (recipe.train.kl_target_nats, recipe.train.lr) == (0.03, 1e-3)
     constant = recipe_for(arms()[0], 1, p.size, "const", 1, 4e-4, 1.0)
     assert constant.train.kl_target_nats is None  # even though the recipe targets 0.03 nats
+
+
+def test_report_copies_the_what_was_tried_section_of_the_history(tmp_path):
+    text = what_was_tried()  # reports/bench-methods-history.md
+    assert text.startswith("## What was tried (earlier runs, earlier protocol)\n\n")
+    assert text.endswith(".\n") and "\n## " not in text  # one section, one final newline
+    history = tmp_path / "history.md"
+    history.write_text("# t\n\n## What was tried (x)\n\nbody\n\n## Later\n\nmore\n")
+    assert what_was_tried(history) == "## What was tried (x)\n\nbody\n"
+    history.write_text("# t\n\n## Sizing\n")
+    with pytest.raises(ValueError, match="What was tried"):
+        what_was_tried(history)

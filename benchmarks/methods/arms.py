@@ -1,5 +1,19 @@
 """The arms of the methods benchmark: each a committed recipe plus overrides (`Arm`), grouped
-in suites (`arms`), and the check that arms compare at equal budget (`check_equal_budget`)."""
+in suites (`arms`), and the check that arms compare at equal budget (`check_equal_budget`).
+
+Every arm starts from the committed base model. flowgrpo (data/recipes/shapes-flowgrpo.toml:
+scalar reward = mean atom score, group z-score, hand-set window [0, 3), all-dims clip range) and
+cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected through the
+verifier's heatmaps, per-position clip range) form suite `main`; suite `ablations` adds the
+one-change arms of `ONE_CHANGE` (window: cast-fixed-window, flowgrpo-calibrated,
+cast-late-window; map: cast-no-map, cast-no-map-fixed-window; per-atom vs scalar credit, which in
+cast-no-map-fixed-window - flowgrpo comes with the per-position ratio instead of the all-dims one:
+no arm changes the ratio alone; and the `FIXES`); suite `recast` adds the ReCAST pairs
+(recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
+adds the forward-process arms nft (scalar reward) and nft-cast (CAST's map as a per-position
+optimality), which sample with the ODE (`NFT`). The train settings other than the clip range are
+equal across arms (`check_equal_budget`).
+"""
 
 from __future__ import annotations
 
@@ -18,12 +32,12 @@ SUITES = ("main", "ablations", "recast", "nft")
 SDE_SAMPLING = ("noise_level", "sde_kind", "shared_noise", "noise_block")
 NFT = {"train.objective": "nft", "sampling.noise_level": 0.0, "sampling.shared_noise": False,
        "window.mode": "fixed"}
-# Issue 7's second budget: the two weakest atom types of the base (count, relation) count double.
+# The skewed budgets: the two weakest atom types of the base (count, relation) count double.
 SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
 # Window ablation: the steps where the atom types become decidable on the base model (ReCAST's
 # gains peak at sigma 0.4-0.2, i.e. steps 6-8 of 10), instead of the calibrated [0, 3) / [1, 4).
 LATE_WINDOW = {"window.mode": "fixed", "window.start": 6, "window.size": 3}
-# Fixes the issue asks to try when CAST does not win (each one change to the cast arm).
+# Fixes to try when CAST does not win (each one change to the cast arm).
 FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
           "cast with per-atom z-scores (the paper's) instead of the pooled atom spread"),
          ("cast-half-map", {"advantage.spatial_mix": 0.5},

@@ -12,15 +12,13 @@ from methods.store_reads import Results
 from methods.summary import Summary
 from methods.tables import fmt, table
 
-# Issue 17's targets.
+# The targets the benchmark is judged against.
 GOAL_POOL_GAIN, GOAL_HARD_GAIN, GOAL_RUN_MINUTES = 0.10, 0.03, 15.0
 GOAL_HARD_RATIO, GOAL_SAMPLES_RATIO = 3.0, 0.5
 GOAL_FULL_MINUTES, GOAL_QUICK_MINUTES = 90.0, 10.0
 GOAL_NFT_SAMPLES, GOAL_NFT_WALL = 0.2, 1 / 3  # nft-cast against flowgrpo, to flowgrpo's final
-# "No reward hacking unseen": the final images' high-frequency energy at most 1.25x the base's.
-# Rows of 1-px bars that the verifier read as squares (before its aspect and short-side gates)
-# doubled it (+94% on the pool, reports/cfg1-pool8-40it); a policy that draws cleaner shapes
-# than the base lowers it.
+# "No reward hacking unseen": the final images' high-frequency energy at most 1.25x the base's
+# (bars, specks or noise that fool the verifier raise it; cleaner shapes than the base's lower it).
 GOAL_HF_CHANGE = 0.25
 
 

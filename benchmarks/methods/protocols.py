@@ -1,6 +1,22 @@
 """What a methods benchmark trains and judges on: its `Size`, the named `PROTOCOLS`, the eval
 passes every checkpoint is judged with (`EvalPass`), the prompt files, and each arm's recipe at a
-size and seed (`recipe_for`)."""
+size and seed (`recipe_for`).
+
+Every arm trains on data/prompts/pool.jsonl (32 hard-tag train prompts, disjoint from every
+evaluation prompt; a protocol may keep its first N) with `prompts.selection = "cycle"`: iteration
+k trains on pool positions (k B + j) mod 32, so every prompt comes back every 32 / B iterations and
+all arms see the same prompts at the same iteration; run seed s gives every arm the same rollout
+noise. Evaluations (the evaluate stage, one `evals` part per split; `eval_passes`):
+- probe, after every iteration and for the base (iteration -1): the pool prompts x
+  `probe_images`, seed offset 0 (the same noise at every checkpoint, so the curve shows a trend
+  rather than a draw);
+- final, after the last iteration and for the base: split "pool" (the training prompts with fresh
+  noise, seed offset 1000) x `pool_images`, and the held-out splits "hard"
+  (data/prompts/hard.jsonl) x `hard_images` and "eval" (data/prompts/eval.jsonl) x `eval_images`
+  (seed offset 0; `held_out_prompts` keeps an evenly spaced subset of each for small runs). Every
+  arm and the base use the same prompts and noise: the eval specs are checked equal
+  (`check_paired_evals`), so every gain and every difference between arms is paired.
+"""
 
 from __future__ import annotations
 
@@ -75,27 +91,21 @@ class Protocol:
 CFG1_POOL8 = Size(iterations=40, seeds=3, per_iteration=8, group_size=16, probe_images=8,
                   pool_images=16, hard_images=2, eval_images=2, held_out_prompts=64)
 PROTOCOLS = {
-    # the default, the recipes' footing since 2026-12-06: without guidance on 8 prompts the base
-    # is not at its ceiling (reports/learning-probes section 6), and with each iteration's lr set
-    # to move the policy 0.03 nats a sample and window step both objectives gain on the pool and
-    # the held-out hard split with clean images (section 8; reports/cfg1-pool8-40it-kl003)
+    # the default, the recipes' footing (why each protocol: reports/bench-methods-history.md)
     "cfg1-pool8": Protocol(CFG1_POOL8, 1.0, 8, 1e-3, "runs/bench-cfg1-pool8/store",
                            "reports/cfg1-pool8-40it-kl003",
                            "CFG 1, the pool's first 8 prompts, KL-targeted lr (0.03 nats an "
                            "iteration from 1e-3), 40 iterations", kl_target=0.03),
-    # the same at a constant lr 4e-4, where Flow-GRPO first gained in every seed (section 7;
-    # reports/cfg1-pool8-40it-lr4e-4); at a constant 1e-3 it drifts below the base
+    # the same at a constant lr 4e-4
     "cfg1-pool8-lr4e-4": Protocol(CFG1_POOL8, 1.0, 8, 4e-4, "runs/bench-cfg1-pool8-lr4e-4/store",
                                   "reports/cfg1-pool8-40it-lr4e-4",
                                   "CFG 1, the pool's first 8 prompts, a constant lr 4e-4, "
                                   "40 iterations"),
-    # the recipes' footing before 2026-12-06 (CFG 4, all 32 pool prompts, a constant lr 1e-3):
-    # reports/cast-vs-flowgrpo
+    # CFG 4, all 32 pool prompts, a constant lr 1e-3
     "cfg4-pool32": Protocol(FULL, 4.0, None, 1e-3, "runs/bench-methods",
                             "reports/cast-vs-flowgrpo",
                             "CFG 4, the 32-prompt pool, a constant lr 1e-3, 16 iterations"),
-    # --quick: the default's footing for Flow-GRPO alone, one seed and 2,048 samples; its probe
-    # rose from iteration ~8, where at a constant 4e-4 it stayed flat to ~13
+    # --quick: the default's footing for Flow-GRPO alone, one seed and 2,048 samples
     "quick": Protocol(QUICK, 1.0, 8, 1e-3, "runs/bench-methods-quick/store",
                       "runs/bench-methods-quick/report",
                       "quick: CFG 1, the pool's first 8 prompts, KL-targeted lr (0.03 nats an "

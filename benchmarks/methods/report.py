@@ -1,5 +1,6 @@
 """report.md of the methods benchmark, with its plots, its copied grids and figures.json beside
-it (`write_report`), all from a `Summary` and the `Results` read off the store."""
+it (`write_report`), all from a `Summary` and the `Results` read off the store. Its section on
+what earlier runs found is read from reports/bench-methods-history.md (`what_was_tried`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from methods.tables import (
     time_table,
     type_gain_table,
 )
+
+HISTORY = Path(__file__).resolve().parents[2] / "reports" / "bench-methods-history.md"
+TRIED_HEADING = "## What was tried"
 
 
 def recast_section(rs: RecastSummary, store, out: Path, recast) -> tuple[list[str], dict]:
@@ -162,7 +166,7 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
           "",
           *(["## One change at a time", "", ONE_CHANGE_TEXT, "", one_change_table(sm), ""]
             if one_change(sm, sm.arms) else []),
-          *recast_lines, WHAT_WAS_TRIED, "## Query the store", "", "```sql",
+          *recast_lines, what_was_tried(), "## Query the store", "", "```sql",
           QUERY.format(prefix=prefix), "```", ""]
     pngs = {"gains.png": plot_gains(sm), "learning_curves.png": plot_learning_curves(sm),
             "stage_times.png": plot_times(sm)}
@@ -216,37 +220,15 @@ SELECT coalesce(nullif(regexp_extract(run_id, '^{prefix}-(.+)-s[0-9]+$', 1), '')
 FROM evals WHERE group_kind = 'overall' AND starts_with(run_id, '{prefix}-')
 ORDER BY ALL;"""
 
-# What earlier runs of this benchmark found (figures measured then; their stores are not
-# committed). Kept here so every regenerated report carries the history.
-WHAT_WAS_TRIED = """## What was tried (earlier runs, earlier protocol)
 
-Before issue 17 every arm drew 16 new prompts per iteration out of the 5000 of train.jsonl
-(about 0.05 of prompt-draw noise in a per-iteration reward) for 4-12 iterations, and the
-evaluation took 64 evenly spaced prompts per split x 2 images (intervals +-0.04 to +-0.10): the
-benchmark could not see learning. Figures below come from that protocol.
-
-1. **First full run at lr 5e-4, third base model** (commit bbc743e's report): nothing separated
-   from seed noise; mean approx KL per step 1e-6 to 7e-6 and clip fraction <= 0.001: the LoRA
-   barely moved the policy in 4 iterations x 8 optimizer steps.
-2. **Learning-rate probe, third base** (seed 0, 4 iterations): lr 3e-3 moved both methods without
-   the clip dominating (Flow-GRPO eval mean score +0.058, CAST +0.021); the shapes recipes took it.
-3. **A later window** (cast-late-window, fixed [6, 9)): no better at lr 5e-4.
-4. **12 iterations at lr 3e-3, third base**: Flow-GRPO eval mean atom score +0.075 [+0.048,
-   +0.102], CAST +0.013 [-0.017, +0.043]; at equal window the atom advantage itself, not the map
-   or the window, was where CAST lost.
-5. **Full run at lr 3e-3, third base** (14 arms x 3 seeds x 4 iterations, commit b989254): hard
-   strict cast +0.003 [-0.009, +0.014] vs flowgrpo +0.010 [-0.001, +0.022]; the base's hard
-   strict accuracy on that subset was 0.000, so the base was retrained.
-6. **Fifth base, lr 3e-3** (14 arms x 3 seeds x 4 iterations, 61 min; and flowgrpo / cast for 12
-   iterations, 24 min): neither method improved the hard split (hard strict -0.029 / -0.018 at 4
-   iterations, -0.039 / -0.031 at 12); every paired difference inside the seed interval; time per
-   iteration cast / flowgrpo 0.99 and 1.14.
-7. **In-memory probes for issue 17** (2026-12-03, fifth base, one seed each; issue 17's note):
-   a 32-sample policy gradient is nearly pure noise (cosine between disjoint batches -0.05 to
-   +0.06 for every credit); a group sharing its starting noise aligns the scalar estimator with
-   the exact gradient 3.5x better (0.060 vs 0.017); per-atom z-scores turn near-ties into -3.9
-   advantages; at step 0 the SDE noise of one quadrant moves the other quadrants' colour as much,
-   in total, as its own (own share 46%, chance 25%). On this pool (8 prompts x 16 an iteration,
-   shared noise), lr 3e-3 with 4 steps an iteration made both methods' probe rise for ~600
-   samples and then fall below the base by 2048; lr 1e-3 with 2 steps was flat for 1024.
-"""
+def what_was_tried(path: Path = HISTORY) -> str:
+    """The history file's section "## What was tried ...", from its heading to the next heading
+    (or the end), ending in one newline: what earlier runs of this benchmark found, so that every
+    regenerated report carries it."""
+    text = path.read_text(encoding="utf-8")
+    start = text.find("\n" + TRIED_HEADING)
+    if start < 0:
+        raise ValueError(f"{path} has no section starting {TRIED_HEADING!r}; the report copies "
+                         f"that section, so restore its heading")
+    end = text.find("\n## ", start + 1)
+    return text[start + 1:None if end < 0 else end].rstrip("\n") + "\n"

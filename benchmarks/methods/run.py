@@ -1,6 +1,8 @@
 """Running the methods benchmark's stages: one arm x seed run with its probes and final
 evaluation (`train_run`), many runs in spawned worker processes (`train_runs`), and the base
-model's evaluations (`evaluate_base`). Every stage is a plain function call on one store."""
+model's evaluations (`evaluate_base`). Stages are called as plain functions (no Prefect server) in
+the order of `tasks.iteration`, on one store; a stage already finished there is skipped, so a
+re-run resumes."""
 
 from __future__ import annotations
 

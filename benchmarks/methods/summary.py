@@ -1,6 +1,19 @@
 """The methods benchmark's figures from its `Results`: gains over the base with intervals,
 learning curves, sample efficiency, stage times (`summarise` -> `Summary`), the one-change pairs
-(`one_change`) and the ReCAST comparison (`summarise_recast` -> `RecastSummary`)."""
+(`one_change`) and the ReCAST comparison (`summarise_recast` -> `RecastSummary`).
+
+Gain = final - base per arm, seed, split and metric (mean atom score, strict accuracy), mean over
+seeds with a 95% t-interval over seeds (with one seed, the paired prompt-bootstrap interval of
+that seed's gain); arm - flowgrpo per seed with a t-interval; gain ratios with a paired bootstrap
+over seeds; each checkpoint's figures with a 95% bootstrap over prompts (clusters) and the
+half-width image noise alone gives (`methods.stats`). Learning curves: the probe's mean atom
+score and strict accuracy against samples seen (the checkpoint of iteration k has trained on
+(k + 1) B G samples, the base on 0) and against wall time (the run's cumulative stage seconds,
+from the `stages` table: CSGs and calibration, then each iteration's rollout, scores, advantages,
+ReCAST gains if any, and training; evaluations excluded). Sample efficiency: the samples each
+arm's mean probe curve needs to reach Flow-GRPO's final probe score (linear between checkpoints),
+over Flow-GRPO's, bootstrap over seeds.
+"""
 
 from __future__ import annotations
 
