@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 
 from methods.arms import BASELINE
 from methods.protocols import FINAL_SPLITS, METRICS
 from methods.stats import t_interval
 from methods.summary import ITERATION_STAGES, Summary
-
-
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=90)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _png(fig, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> bytes:
-    fig.tight_layout(rect=rect)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+from tasks.plots import figure, png
 
 
 def _arm_colors(arm_names: list[str]) -> dict:
@@ -48,7 +31,7 @@ def plot_learning_curves(sm: Summary) -> bytes:
     """Probe mean atom score and strict accuracy against samples seen and wall minutes; mean over
     seeds with a 95% t-band; flowgrpo's final probe mean score dashed."""
     colors = _arm_colors(sm.arms)
-    fig = _figure(11, 7)
+    fig = figure(11, 7)
     for i, (m, label) in enumerate(METRICS):
         for j, axis in enumerate(("samples", "wall")):
             ax = fig.add_subplot(len(METRICS), 2, 2 * i + j + 1)
@@ -69,13 +52,13 @@ def plot_learning_curves(sm: Summary) -> bytes:
             ax.grid(alpha=0.3)
     handles, labels = fig.axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center right", fontsize=7)
-    return _png(fig, rect=(0, 0, 0.84, 1))
+    return png(fig, rect=(0, 0, 0.84, 1))
 
 
 def plot_gains(sm: Summary) -> bytes:
     """One panel per final split x metric: each arm's mean gain with its 95% interval."""
     colors, y = _arm_colors(sm.arms), np.arange(len(sm.arms))[::-1]
-    fig = _figure(10, 1.6 + 0.3 * len(sm.arms) * len(FINAL_SPLITS))
+    fig = figure(10, 1.6 + 0.3 * len(sm.arms) * len(FINAL_SPLITS))
     for i, s in enumerate(FINAL_SPLITS):
         for j, (m, label) in enumerate(METRICS):
             ax = fig.add_subplot(len(FINAL_SPLITS), len(METRICS), i * len(METRICS) + j + 1)
@@ -87,14 +70,14 @@ def plot_gains(sm: Summary) -> bytes:
             ax.set_yticks(y, sm.arms if j == 0 else [""] * len(sm.arms), fontsize=7)
             ax.set_title(f"{s}: {label}, final - base (95%)", fontsize=9)
             ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png(fig)
 
 
 def plot_times(sm: Summary) -> bytes:
     from matplotlib import colormaps
 
     y, left = np.arange(len(sm.arms))[::-1], np.zeros(len(sm.arms))
-    fig = _figure(10, 1.8 + 0.3 * len(sm.arms))
+    fig = figure(10, 1.8 + 0.3 * len(sm.arms))
     ax = fig.add_subplot()
     for k, st in enumerate((*ITERATION_STAGES, "eval:probe")):
         width = np.array([sm.stage_median[(a, st)] for a in sm.arms])
@@ -104,4 +87,4 @@ def plot_times(sm: Summary) -> bytes:
     ax.set_xlabel("seconds (median over seeds x iterations)")
     ax.set_title("wall time per iteration, by stage (with its probe)", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=5)
-    return _png(fig)
+    return png(fig)

@@ -25,10 +25,10 @@ from methods.tables import (
     interval_cell,
     one_change_table,
     seed_gain_table,
-    table,
     time_table,
     type_gain_table,
 )
+from tasks.markdown import table
 
 HISTORY = Path(__file__).resolve().parents[2] / "reports" / "bench-methods-history.md"
 TRIED_HEADING = "## What was tried"

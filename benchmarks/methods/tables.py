@@ -12,6 +12,7 @@ from methods.protocols import FINAL_SPLITS, METRICS, run_name
 from methods.stats import Interval, Ratio, t_interval
 from methods.store_reads import DIAGNOSTIC_COLUMNS, Results
 from methods.summary import ITERATION_STAGES, Summary, one_change
+from tasks.markdown import table
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -20,11 +21,6 @@ def fmt(x: float | None, digits: int = 3) -> str:
 
 def signed(x: float | None) -> str:
     return "–" if x is None else f"{x:+.3f}"
-
-
-def table(columns: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def interval_cell(iv: Interval | None, value=signed) -> str:
