@@ -2,6 +2,7 @@
 its statistics against closed forms and known t quantiles, the protocol's recipes and eval passes,
 the summary and figures.json on synthetic results, and (slow) the whole command at a tiny size."""
 
+import ast
 import json
 import math
 import statistics
@@ -632,3 +633,24 @@ def test_report_copies_the_what_was_tried_section_of_the_history(tmp_path):
     history.write_text("# t\n\n## Sizing\n")
     with pytest.raises(ValueError, match="What was tried"):
         what_was_tried(history)
+
+
+# the package's modules in import order: each may import only those before it
+PACKAGE_ORDER = ("arms", "stats", "protocols", "run", "store_reads", "summary", "tables", "plots",
+                 "figures", "report", "benchmark")
+
+
+def test_the_package_is_small_documented_modules_importing_one_way():
+    package = REPO / "benchmarks" / "methods"
+    assert {p.stem for p in package.glob("*.py")} == {"__init__", *PACKAGE_ORDER}
+    for path in [*package.glob("*.py"), REPO / "benchmarks" / "bench_methods.py"]:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+        assert len(text.splitlines()) <= 400, f"{path.name}: {len(text.splitlines())} lines"
+        assert ast.get_docstring(tree), f"{path.name} says in a docstring what it is"
+        if path.stem not in PACKAGE_ORDER:
+            continue
+        before = PACKAGE_ORDER[:PACKAGE_ORDER.index(path.stem)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("methods."):
+                assert node.module.split(".")[1] in before, f"{path.stem} imports {node.module}"
