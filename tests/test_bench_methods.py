@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_methods as cli
+from methods import stats
 from methods.arms import (
     BASELINE,
     CAST_RECIPE,
@@ -48,18 +49,6 @@ from methods.protocols import (
     with_eval,
 )
 from methods.report import what_was_tried
-from methods.stats import (
-    Interval,
-    PromptScores,
-    _crossings,
-    checkpoint_figures,
-    crossing_ratio,
-    paired_gain,
-    ratio_bootstrap,
-    samples_to_threshold,
-    t_interval,
-    t_quantile,
-)
 from methods.store_reads import Results
 from methods.summary import ITERATION_STAGES, one_change, summarise
 from methods.tables import one_change_table, type_gain_table, type_gains
@@ -73,34 +62,34 @@ from tasks.iteration import RUN_STAGES
                                               (3, 3.182446305), (4, 2.776445105),
                                               (9, 2.262157163), (30, 2.042272456)])
 def test_t_quantile_matches_tables(df, expected):
-    assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
+    assert stats.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
 
 
 def test_t_quantile_df1_closed_form():
     # Cauchy: the p-quantile is tan(pi (p - 1/2))
     for p in (0.6, 0.9, 0.99):
-        assert t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), abs=1e-6)
+        assert stats.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), abs=1e-6)
 
 
 def test_t_interval_on_known_numbers():
     values = [1.0, 2.0, 3.0, 4.0]
-    iv = t_interval(values)
+    iv = stats.t_interval(values)
     half = 3.182446305 * statistics.stdev(values) / 2  # t_{0.975, 3} * s / sqrt(4)
     assert (iv.mean, iv.n) == (2.5, 4)
     assert iv.low == pytest.approx(2.5 - half, abs=1e-6)
     assert iv.high == pytest.approx(2.5 + half, abs=1e-6)
-    assert t_interval([0.3]) == Interval(0.3, None, None, 1)
-    constant = t_interval([0.2, 0.2, 0.2])
+    assert stats.t_interval([0.3]) == stats.Interval(0.3, None, None, 1)
+    constant = stats.t_interval([0.2, 0.2, 0.2])
     assert constant.low == pytest.approx(0.2) and constant.high == pytest.approx(0.2)
 
 
 def test_ratio_bootstrap_is_deterministic_and_brackets_the_ratio():
     num, den = [0.10, 0.04, 0.07, 0.12], [0.05, 0.03, 0.06, 0.02]
-    a, b = ratio_bootstrap(num, den, seed=3), ratio_bootstrap(num, den, seed=3)
+    a, b = stats.ratio_bootstrap(num, den, seed=3), stats.ratio_bootstrap(num, den, seed=3)
     assert a == b
     assert a.value == pytest.approx(np.mean(num) / np.mean(den))
     assert a.low < a.value < a.high and a.note == ""
-    other = ratio_bootstrap(num, den, seed=4)  # another seed: the same interval, roughly
+    other = stats.ratio_bootstrap(num, den, seed=4)  # another seed: the same interval, roughly
     assert other.low == pytest.approx(a.low, rel=0.2) and other.high == pytest.approx(a.high,
                                                                                       rel=0.2)
     per_seed = np.asarray(num) / np.asarray(den)
@@ -108,16 +97,16 @@ def test_ratio_bootstrap_is_deterministic_and_brackets_the_ratio():
 
 
 def test_ratio_bootstrap_closed_forms_and_refusals():
-    same = ratio_bootstrap([0.2, 0.4, 0.6], [0.1, 0.2, 0.3])  # every paired draw gives 2
+    same = stats.ratio_bootstrap([0.2, 0.4, 0.6], [0.1, 0.2, 0.3])  # every paired draw gives 2
     assert (same.value, same.low, same.high) == pytest.approx((2.0, 2.0, 2.0))
-    worse = ratio_bootstrap([0.1, 0.2], [-0.1, 0.05])
+    worse = stats.ratio_bootstrap([0.1, 0.2], [-0.1, 0.05])
     assert worse.value is None and "<= 0" in worse.note
-    one = ratio_bootstrap([0.1], [0.05])
+    one = stats.ratio_bootstrap([0.1], [0.05])
     assert one.value == pytest.approx(2.0) and one.low is None and "one seed" in one.note
-    shaky = ratio_bootstrap([0.1, 0.1, 0.1], [0.3, -0.2, -0.05])
+    shaky = stats.ratio_bootstrap([0.1, 0.1, 0.1], [0.3, -0.2, -0.05])
     assert shaky.value is not None and shaky.low is None and "unbounded" in shaky.note
     with pytest.raises(ValueError, match="paired"):
-        ratio_bootstrap([0.1, 0.2], [0.1])
+        stats.ratio_bootstrap([0.1, 0.2], [0.1])
 
 
 def test_samples_to_threshold_interpolates_the_first_crossing():
@@ -126,8 +115,8 @@ def test_samples_to_threshold_interpolates_the_first_crossing():
               [0.5, 0.6, 0.65, 0.69]]
     want = [150.0, 100.0, 0.0, None]  # 0.0: the base is there already; None: never
     for y, w in zip(curves, want):
-        assert samples_to_threshold(x, y, 0.7) == (None if w is None else pytest.approx(w))
-    vectorised = _crossings(np.array(curves), np.full(4, 0.7), np.array(x, float))
+        assert stats.samples_to_threshold(x, y, 0.7) == (None if w is None else pytest.approx(w))
+    vectorised = stats._crossings(np.array(curves), np.full(4, 0.7), np.array(x, float))
     assert vectorised.tolist() == pytest.approx([150.0, 100.0, 0.0, math.inf])
 
 
@@ -135,32 +124,32 @@ def test_crossing_ratio_closed_forms_and_refusals():
     x = [0, 100, 200, 300, 400]
     baseline = [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3  # reaches its final 0.7 at 400
     fast = [[0.5, 0.6, 0.7, 0.7, 0.75]] * 3  # reaches 0.7 at 200
-    r = crossing_ratio(fast, baseline, x)
+    r = stats.crossing_ratio(fast, baseline, x)
     assert (r.value, r.low, r.high) == pytest.approx((0.5, 0.5, 0.5))  # identical seeds
     slow = [[0.5, 0.5, 0.55, 0.6, 0.65]] * 3
-    never = crossing_ratio(slow, baseline, x)
+    never = stats.crossing_ratio(slow, baseline, x)
     assert never.value is None and "never reaches" in never.note
-    flat = crossing_ratio(fast, [[0.5, 0.5, 0.5, 0.5, 0.5]] * 3, x)
+    flat = stats.crossing_ratio(fast, [[0.5, 0.5, 0.5, 0.5, 0.5]] * 3, x)
     assert flat.value is None and "not above the base" in flat.note
-    one = crossing_ratio(fast[:1], baseline[:1], x)
+    one = stats.crossing_ratio(fast[:1], baseline[:1], x)
     assert one.value == pytest.approx(0.5) and "one seed" in one.note
-    noisy = crossing_ratio([[0.5, 0.6, 0.7, 0.7, 0.8], [0.5, 0.55, 0.65, 0.72, 0.7]],
-                           [[0.5, 0.55, 0.6, 0.65, 0.72], [0.5, 0.52, 0.6, 0.66, 0.68]], x)
+    noisy = stats.crossing_ratio([[0.5, 0.6, 0.7, 0.7, 0.8], [0.5, 0.55, 0.65, 0.72, 0.7]],
+                                 [[0.5, 0.55, 0.6, 0.65, 0.72], [0.5, 0.52, 0.6, 0.66, 0.68]], x)
     assert noisy.low <= noisy.value <= noisy.high
     with pytest.raises(ValueError, match="paired by seed"):
-        crossing_ratio(fast, baseline[:2], x)
+        stats.crossing_ratio(fast, baseline[:2], x)
 
 
-def _prompt_scores(per_prompt: list[list[list[float]]]) -> PromptScores:
+def _prompt_scores(per_prompt: list[list[list[float]]]) -> stats.PromptScores:
     """PromptScores from [prompt][image][atom] scores, through the evaluate stage's JSON."""
     flat = [img for prompt in per_prompt for img in prompt]
-    return PromptScores.from_json({"prompts": [f"p{i}" for i in range(len(per_prompt))],
-                                   "images_per_prompt": len(per_prompt[0]), "scores": flat})
+    return stats.PromptScores.from_json({"prompts": [f"p{i}" for i in range(len(per_prompt))],
+                                         "images_per_prompt": len(per_prompt[0]), "scores": flat})
 
 
 def test_checkpoint_figures_are_ratios_of_sums_with_prompt_clusters():
     s = _prompt_scores([[[1.0, 0.0], [1.0, 1.0]], [[0.2, 0.4, 0.6], [0.9, 0.9, 0.9]]])
-    c = checkpoint_figures(s)
+    c = stats.checkpoint_figures(s)
     assert c.mean_score.mean == pytest.approx((1 + 0 + 1 + 1 + 0.2 + 0.4 + 0.6 + 2.7) / 10)
     assert c.strict_accuracy.mean == pytest.approx(2 / 4)  # [1, 1] and [0.9] x 3 pass
     assert c.images == 4 and c.mean_score.n == 2
@@ -172,18 +161,18 @@ def test_checkpoint_figures_are_ratios_of_sums_with_prompt_clusters():
     want = 1.959963985 * math.sqrt(4 * 2 * var[0] + 9 * 2 * var[1]) / (2 * 5)
     assert c.noise_half_width == pytest.approx(want)
     same = _prompt_scores([[[0.5, 0.5]], [[0.5, 0.5]]])
-    assert checkpoint_figures(same).mean_score.low == pytest.approx(0.5)
-    assert checkpoint_figures(same).noise_half_width is None  # one image per prompt
+    assert stats.checkpoint_figures(same).mean_score.low == pytest.approx(0.5)
+    assert stats.checkpoint_figures(same).noise_half_width is None  # one image per prompt
 
 
 def test_paired_gain_cancels_prompt_effects():
     old = _prompt_scores([[[0.2, 0.2], [0.4, 0.4]], [[0.8, 0.8], [0.6, 0.6]]])
     new = _prompt_scores([[[0.3, 0.3], [0.5, 0.5]], [[0.9, 0.9], [0.7, 0.7]]])
-    score, strict = paired_gain(new, old)
+    score, strict = stats.paired_gain(new, old)
     assert (score.mean, score.low, score.high) == pytest.approx((0.1, 0.1, 0.1))
     assert strict.mean == pytest.approx(0.0)
     with pytest.raises(ValueError, match="same prompts"):
-        paired_gain(new, _prompt_scores([[[0.3, 0.3]]]))
+        stats.paired_gain(new, _prompt_scores([[[0.3, 0.3]]]))
 
 
 # ---- protocol -----------------------------------------------------------------------------
@@ -306,7 +295,7 @@ def _results(size: Size, curves: dict, finals: dict, prefix: str = "t") -> Resul
     def add(run, k, split, shift):
         s = _prompt_scores([[[a + shift for a in img] for img in p] for p in base_atoms])
         scores[(run, k, split)] = s
-        c = checkpoint_figures(s)
+        c = stats.checkpoint_figures(s)
         evals[(run, k, split)] = {"mean_score": c.mean_score.mean,
                                   "strict_accuracy": c.strict_accuracy.mean, "hf_energy": 0.1}
 
