@@ -19,6 +19,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from tasks.markdown import table
+
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # t quantiles by degrees of freedom
 
 
@@ -58,17 +60,16 @@ def snr_rows(rows: list[dict]) -> list[dict]:
 
 
 def learning_table(title: str, arms: list[dict]) -> list[str]:
-    header = ("| arm | seeds | samples | base | gain, mean [95% t] | per seed "
-              "| mean probe curve (samples: score) |")
-    lines = [f"### {title}", "", header, "|---|---|---|---|---|---|---|"]
+    rows = []
     for a in arms:
         iv = ("" if a["interval"] is None
               else f" [{a['interval'][0]:+.3f}, {a['interval'][1]:+.3f}]")
         curve = ", ".join(f"{k}: {v:.3f}" for k, v in a["curve"].items())
-        lines.append(f"| {a['arm']} | {a['seeds']} | {a['samples']} | {a['base']:.3f} | "
-                     f"{a['gain']:+.3f}{iv} | {' '.join(f'{g:+.3f}' for g in a['gains'])} | "
-                     f"{curve} |")
-    return [*lines, ""]
+        rows.append([a["arm"], a["seeds"], a["samples"], f"{a['base']:.3f}",
+                     f"{a['gain']:+.3f}{iv}", " ".join(f"{g:+.3f}" for g in a["gains"]), curve])
+    return [f"### {title}", "",
+            table(["arm", "seeds", "samples", "base", "gain, mean [95% t]", "per seed",
+                   "mean probe curve (samples: score)"], rows), ""]
 
 
 def main() -> None:
@@ -84,12 +85,11 @@ def main() -> None:
     lines += learning_table("Pool (32 hard prompts, 8 an iteration x 16; `pool8-` arms: its "
                             "first 8, all 8 every iteration)", pool)
     title = "### Gradient signal-to-noise (mean pairwise cosine of independent batch gradients)"
-    header = "| estimator | batch | pairs | cosine [+-1.96 SE] | per-sample SNR | s a batch |"
-    lines += [title, "", header, "|---|---|---|---|---|---|"]
-    for s in snr:
-        lines.append(f"| {s['estimator']} | {s['batch']} | {s['pairs']} | {s['cosine']:+.4f} "
-                     f"[{s['interval'][0]:+.4f}, {s['interval'][1]:+.4f}] | "
-                     f"{s['per_sample_snr']:.1e} | {s['seconds_per_batch']:.1f} |")
+    lines += [title, "", table(
+        ["estimator", "batch", "pairs", "cosine [+-1.96 SE]", "per-sample SNR", "s a batch"],
+        [[s["estimator"], s["batch"], s["pairs"],
+          f"{s['cosine']:+.4f} [{s['interval'][0]:+.4f}, {s['interval'][1]:+.4f}]",
+          f"{s['per_sample_snr']:.1e}", f"{s['seconds_per_batch']:.1f}"] for s in snr])]
     (d / "tables.md").write_text("\n".join(lines) + "\n")
     (d / "figures.json").write_text(json.dumps(
         {"one_prompt": one, "pool": pool, "gradient_snr": snr}, indent=1) + "\n")

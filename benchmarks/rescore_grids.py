@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/rescore_grids.py --old-rev fb2cfa4^ reports/cfg1-pool8-40it \\
         reports/cfg1-pool8 reports/nft-cfg1-pool8 reports/nft-quick reports/cast-vs-flowgrpo
 
-Each `grid-<name>-pool.png` of a report (bench_report's grids of the final pool evaluation of the
+Each `grid-<name>-pool.png` of a report (the methods benchmark's grids of the final pool evaluation of the
 base and of each arm's seed 0: one row per pool prompt, the pool's first prompts in
 data/prompts/pool.jsonl order, its images along the row, every 32 x 32 image drawn 2x with nearest
 neighbours and a 2-px white gap) holds the exact uint8 images, so they can be cut out and scored
@@ -34,7 +34,7 @@ TILE, GAP = 64, 2
 
 
 def grid_images(path: Path) -> tuple[torch.Tensor, list[int]]:
-    """([n, 3, 32, 32] in [0, 1], the row of each) from a bench_report grid PNG, row by row."""
+    """([n, 3, 32, 32] in [0, 1], the row of each) from a methods-benchmark report's grid PNG, row by row."""
     image = np.array(Image.open(path).convert("RGB"))
     rows, cols = ((n + GAP) // (TILE + GAP) for n in image.shape[:2])
     tiles = [image[r * (TILE + GAP): r * (TILE + GAP) + TILE,

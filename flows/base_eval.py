@@ -23,20 +23,36 @@ from cast_core.backbones.shapes import BACKBONE_FILE, ShapesBackbone
 from cast_core.backbones.source import source_problem
 from cast_core.metrics import summarise_by_atom_type, summarise_by_tag
 from cast_core.shapes.prompts import load_prompt_file
-from cast_core.shapes.sensitivity import WORD_TYPES, format_sensitivity, swap_word, word_sensitivity
+from cast_core.shapes.sensitivity import (
+    WORD_TYPES,
+    SensitivityRow,
+    swap_word,
+    word_sensitivity,
+)
 from tasks.evaluate import evaluate_records
+from tasks.markdown import table
 
 
 def format_table(title: str, results) -> str:
-    lines = [f"### {title}", "", "| tag | images | strict acc | atom acc | mean atom score |",
-             "|---|---:|---:|---:|---:|"]
-    for row in summarise_by_tag(results):
-        lines.append(f"| {row.name} | {row.images} | {row.strict_accuracy:.3f} | "
-                     f"{row.atom_accuracy:.3f} | {row.mean_atom_score:.3f} |")
-    lines += ["", "| atom type | atom acc | mean score |", "|---|---:|---:|"]
-    for kind, (acc, mean) in summarise_by_atom_type(results).items():
-        lines.append(f"| {kind} | {acc:.3f} | {mean:.3f} |")
-    return "\n".join(lines)
+    """Markdown: the title, then per tag and per atom type the accuracies and mean atom score."""
+    tags = table(["tag", "images", "strict acc", "atom acc", "mean atom score"],
+                 [[row.name, row.images, f"{row.strict_accuracy:.3f}", f"{row.atom_accuracy:.3f}",
+                   f"{row.mean_atom_score:.3f}"] for row in summarise_by_tag(results)],
+                 align="lrrrr")
+    types = table(["atom type", "atom acc", "mean score"],
+                  [[kind, f"{acc:.3f}", f"{mean:.3f}"]
+                   for kind, (acc, mean) in summarise_by_atom_type(results).items()],
+                  align="lrr")
+    return "\n".join([f"### {title}", "", tags, "", types])
+
+
+def format_sensitivity(rows: list[SensitivityRow]) -> str:
+    """A markdown table of the word-sensitivity rows (`cast_core.shapes.sensitivity`)."""
+    return table(["word", "t", "scenes", "loss, true prompt", "one word swapped", "empty prompt",
+                  "swap gap", "text gain"],
+                 [[r.word_type, f"{r.t:.2f}", r.scenes, f"{r.loss_true:.4f}",
+                   f"{r.loss_swapped:.4f}", f"{r.loss_empty:.4f}", f"{r.swap_gap:+.1%}",
+                   f"{r.text_gain:+.1%}"] for r in rows], align="lrrrrrrr")
 
 
 def select_tags(records: list[dict], tags: list[str] | None) -> list[dict]:

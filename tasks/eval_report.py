@@ -22,7 +22,6 @@ flow or task run the markdown is also published as a markdown artifact (key
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import textwrap
@@ -34,6 +33,8 @@ import numpy as np
 import torch
 from prefect import task
 
+from tasks.markdown import table
+from tasks.plots import figure, png
 from tasks.report import store_root
 from tasks.store import Store, atomic_write_bytes
 
@@ -109,17 +110,7 @@ def fmt(value: Any) -> str:
 
 
 def _table(columns: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows])
-
-
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=90)
-    FigureCanvasAgg(fig)
-    return fig
+    return table(columns, [[fmt(v) for v in r] for r in rows])
 
 
 def _legend(ax) -> None:
@@ -133,15 +124,8 @@ def _integer_ticks(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _png(fig) -> bytes:
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
-
-
 def _accuracy_plot(rows: list[dict]) -> bytes:
-    fig = _figure(6.5, 3.5)
+    fig = figure(6.5, 3.5)
     ax = fig.add_subplot()
     for i, split in enumerate(sorted({r["split"] for r in rows})):
         mine = [r for r in rows if r["split"] == split]
@@ -154,12 +138,12 @@ def _accuracy_plot(rows: list[dict]) -> bytes:
     _integer_ticks(ax)
     ax.set_ylim(-0.02, 1.02)
     _legend(ax)
-    return _png(fig)
+    return png(fig)
 
 
 def _atom_type_plot(rows: list[dict], first: int, last: int) -> bytes:
     splits = sorted({r["split"] for r in rows})
-    fig = _figure(3.5 * len(splits), 3.2)
+    fig = figure(3.5 * len(splits), 3.2)
     for s, split in enumerate(splits):
         ax = fig.add_subplot(1, len(splits), s + 1)
         types = sorted({r["group_name"] for r in rows if r["split"] == split})
@@ -172,7 +156,7 @@ def _atom_type_plot(rows: list[dict], first: int, last: int) -> bytes:
         ax.set_ylim(0, 1)
         ax.set_title(f"{split}: atom accuracy", fontsize=9)
         _legend(ax)
-    return _png(fig)
+    return png(fig)
 
 
 def _calibration_plot(curve: list[dict], window: dict) -> bytes:
@@ -190,7 +174,7 @@ def _calibration_plot(curve: list[dict], window: dict) -> bytes:
 
 
 def _diagnostics_plot(diag: list[dict], per_step: list[dict], accuracy: list[dict]) -> bytes:
-    fig = _figure(12, 6)
+    fig = figure(12, 6)
     its = [d["iteration"] for d in diag]
     alarms = [d["iteration"] for d in diag if d["alarm"]]
     axes = [fig.add_subplot(2, 3, i + 1) for i in range(6)]
@@ -221,7 +205,7 @@ def _diagnostics_plot(diag: list[dict], per_step: list[dict], accuracy: list[dic
             ax.axvline(it, color="tab:red", alpha=0.3)
         ax.set_xlabel("iteration", fontsize=8)
         _integer_ticks(ax)
-    return _png(fig)
+    return png(fig)
 
 
 def _rollout_plot(store: Store, prompt: str, samples: list[dict], atoms: list[dict]) -> bytes:
@@ -232,7 +216,7 @@ def _rollout_plot(store: Store, prompt: str, samples: list[dict], atoms: list[di
     images = store.get_tensors(samples[0]["image_path"])["images"]  # uint8 [N, 3, H, W]
     limit = max(float(maps[s["map_index"]].abs().max()) for s in samples) or 1.0
     cols = len(ids) + 2
-    fig = _figure(1.5 * cols, 1.6 * len(samples) + 0.8)
+    fig = figure(1.5 * cols, 1.6 * len(samples) + 0.8)
     for row, s in enumerate(samples):
         image = images[s["blob_index"]].permute(1, 2, 0).numpy()  # [H, W, 3]
         extent = (0, image.shape[1], image.shape[0], 0)
@@ -260,7 +244,7 @@ def _rollout_plot(store: Store, prompt: str, samples: list[dict], atoms: list[di
             if row == 0:
                 ax.set_title(title, fontsize=6)
     fig.suptitle(prompt, fontsize=9)
-    return _png(fig)
+    return png(fig)
 
 
 def _accuracy_section(rows: list[dict]) -> list[str]:

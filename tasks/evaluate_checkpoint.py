@@ -28,7 +28,6 @@ split's grid."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from cast_core.sampling import sample_ode
 from tasks.calibrate_window import image_embedder, image_embedder_spec
 from tasks.evaluate import content_seed
 from tasks.models import graph_builder, load_policy, scorer, scorer_id, set_threads
+from tasks.plots import figure, png
 from tasks.policy_state import policy_for
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
@@ -88,12 +88,8 @@ def _sample_images(backbone, prompts: list[str], seeds: list[int], recipe: Recip
 
 
 def _plot(rows: list[dict], title: str) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     tags = [r for r in rows if r["group_kind"] in ("overall", "tag")]
-    fig = Figure(figsize=(8, 3.5), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = figure(8, 3.5, dpi=100)
     ax = fig.add_subplot()
     labels = [f"{r['split']}/{r['group_name']}" for r in tags]
     ax.bar(range(len(tags)), [r["strict_accuracy"] for r in tags], color="tab:blue")
@@ -101,10 +97,7 @@ def _plot(rows: list[dict], title: str) -> bytes:
     ax.set_ylim(0, 1)
     ax.set_ylabel("strict accuracy")
     ax.set_title(title)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return png(fig)
 
 
 def _group_rows(base: dict, results: list[ImageResult], hf: torch.Tensor,

@@ -1,7 +1,8 @@
-"""The CAST vs Flow-GRPO benchmark (benchmarks/bench_methods.py, bench_stats.py, bench_report.py):
+"""The CAST vs Flow-GRPO benchmark (benchmarks/bench_methods.py, the benchmarks/methods package):
 its statistics against closed forms and known t quantiles, the protocol's recipes and eval passes,
 the summary and figures.json on synthetic results, and (slow) the whole command at a tiny size."""
 
+import ast
 import json
 import math
 import statistics
@@ -15,9 +16,44 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import bench_methods as bm
-import bench_report as br
-import bench_stats as bs
+import bench_methods as cli
+from methods import stats
+from methods.arms import (
+    BASELINE,
+    CAST_RECIPE,
+    FIXES,
+    ONE_CHANGE,
+    RECAST_PAIRS,
+    SKEWED,
+    Arm,
+    arms,
+    check_equal_budget,
+    select_arms,
+)
+from methods.benchmark import run_benchmark
+from methods.figures import figures, hacking_figures
+from methods.protocols import (
+    EVAL,
+    FINAL_SPLITS,
+    FULL,
+    HARD,
+    POOL,
+    PROTOCOLS,
+    QUICK,
+    Size,
+    check_paired_evals,
+    eval_passes,
+    pool_file,
+    recipe_for,
+    run_name,
+    with_eval,
+)
+from methods.report import what_was_tried
+from methods.store_reads import Results
+from methods.summary import ITERATION_STAGES, one_change, summarise
+from methods.tables import one_change_table, type_gain_table, type_gains
+
+from tasks.iteration import RUN_STAGES
 
 # ---- statistics ---------------------------------------------------------------------------
 
@@ -26,34 +62,34 @@ import bench_stats as bs
                                               (3, 3.182446305), (4, 2.776445105),
                                               (9, 2.262157163), (30, 2.042272456)])
 def test_t_quantile_matches_tables(df, expected):
-    assert bm.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
+    assert stats.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
 
 
 def test_t_quantile_df1_closed_form():
     # Cauchy: the p-quantile is tan(pi (p - 1/2))
     for p in (0.6, 0.9, 0.99):
-        assert bm.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), abs=1e-6)
+        assert stats.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), abs=1e-6)
 
 
 def test_t_interval_on_known_numbers():
     values = [1.0, 2.0, 3.0, 4.0]
-    iv = bm.t_interval(values)
+    iv = stats.t_interval(values)
     half = 3.182446305 * statistics.stdev(values) / 2  # t_{0.975, 3} * s / sqrt(4)
     assert (iv.mean, iv.n) == (2.5, 4)
     assert iv.low == pytest.approx(2.5 - half, abs=1e-6)
     assert iv.high == pytest.approx(2.5 + half, abs=1e-6)
-    assert bm.t_interval([0.3]) == bm.Interval(0.3, None, None, 1)
-    constant = bm.t_interval([0.2, 0.2, 0.2])
+    assert stats.t_interval([0.3]) == stats.Interval(0.3, None, None, 1)
+    constant = stats.t_interval([0.2, 0.2, 0.2])
     assert constant.low == pytest.approx(0.2) and constant.high == pytest.approx(0.2)
 
 
 def test_ratio_bootstrap_is_deterministic_and_brackets_the_ratio():
     num, den = [0.10, 0.04, 0.07, 0.12], [0.05, 0.03, 0.06, 0.02]
-    a, b = bm.ratio_bootstrap(num, den, seed=3), bm.ratio_bootstrap(num, den, seed=3)
+    a, b = stats.ratio_bootstrap(num, den, seed=3), stats.ratio_bootstrap(num, den, seed=3)
     assert a == b
     assert a.value == pytest.approx(np.mean(num) / np.mean(den))
     assert a.low < a.value < a.high and a.note == ""
-    other = bm.ratio_bootstrap(num, den, seed=4)  # another seed: the same interval, roughly
+    other = stats.ratio_bootstrap(num, den, seed=4)  # another seed: the same interval, roughly
     assert other.low == pytest.approx(a.low, rel=0.2) and other.high == pytest.approx(a.high,
                                                                                       rel=0.2)
     per_seed = np.asarray(num) / np.asarray(den)
@@ -61,16 +97,16 @@ def test_ratio_bootstrap_is_deterministic_and_brackets_the_ratio():
 
 
 def test_ratio_bootstrap_closed_forms_and_refusals():
-    same = bm.ratio_bootstrap([0.2, 0.4, 0.6], [0.1, 0.2, 0.3])  # every paired draw gives 2
+    same = stats.ratio_bootstrap([0.2, 0.4, 0.6], [0.1, 0.2, 0.3])  # every paired draw gives 2
     assert (same.value, same.low, same.high) == pytest.approx((2.0, 2.0, 2.0))
-    worse = bm.ratio_bootstrap([0.1, 0.2], [-0.1, 0.05])
+    worse = stats.ratio_bootstrap([0.1, 0.2], [-0.1, 0.05])
     assert worse.value is None and "<= 0" in worse.note
-    one = bm.ratio_bootstrap([0.1], [0.05])
+    one = stats.ratio_bootstrap([0.1], [0.05])
     assert one.value == pytest.approx(2.0) and one.low is None and "one seed" in one.note
-    shaky = bm.ratio_bootstrap([0.1, 0.1, 0.1], [0.3, -0.2, -0.05])
+    shaky = stats.ratio_bootstrap([0.1, 0.1, 0.1], [0.3, -0.2, -0.05])
     assert shaky.value is not None and shaky.low is None and "unbounded" in shaky.note
     with pytest.raises(ValueError, match="paired"):
-        bm.ratio_bootstrap([0.1, 0.2], [0.1])
+        stats.ratio_bootstrap([0.1, 0.2], [0.1])
 
 
 def test_samples_to_threshold_interpolates_the_first_crossing():
@@ -79,8 +115,8 @@ def test_samples_to_threshold_interpolates_the_first_crossing():
               [0.5, 0.6, 0.65, 0.69]]
     want = [150.0, 100.0, 0.0, None]  # 0.0: the base is there already; None: never
     for y, w in zip(curves, want):
-        assert bs.samples_to_threshold(x, y, 0.7) == (None if w is None else pytest.approx(w))
-    vectorised = bs._crossings(np.array(curves), np.full(4, 0.7), np.array(x, float))
+        assert stats.samples_to_threshold(x, y, 0.7) == (None if w is None else pytest.approx(w))
+    vectorised = stats._crossings(np.array(curves), np.full(4, 0.7), np.array(x, float))
     assert vectorised.tolist() == pytest.approx([150.0, 100.0, 0.0, math.inf])
 
 
@@ -88,32 +124,32 @@ def test_crossing_ratio_closed_forms_and_refusals():
     x = [0, 100, 200, 300, 400]
     baseline = [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3  # reaches its final 0.7 at 400
     fast = [[0.5, 0.6, 0.7, 0.7, 0.75]] * 3  # reaches 0.7 at 200
-    r = bs.crossing_ratio(fast, baseline, x)
+    r = stats.crossing_ratio(fast, baseline, x)
     assert (r.value, r.low, r.high) == pytest.approx((0.5, 0.5, 0.5))  # identical seeds
     slow = [[0.5, 0.5, 0.55, 0.6, 0.65]] * 3
-    never = bs.crossing_ratio(slow, baseline, x)
+    never = stats.crossing_ratio(slow, baseline, x)
     assert never.value is None and "never reaches" in never.note
-    flat = bs.crossing_ratio(fast, [[0.5, 0.5, 0.5, 0.5, 0.5]] * 3, x)
+    flat = stats.crossing_ratio(fast, [[0.5, 0.5, 0.5, 0.5, 0.5]] * 3, x)
     assert flat.value is None and "not above the base" in flat.note
-    one = bs.crossing_ratio(fast[:1], baseline[:1], x)
+    one = stats.crossing_ratio(fast[:1], baseline[:1], x)
     assert one.value == pytest.approx(0.5) and "one seed" in one.note
-    noisy = bs.crossing_ratio([[0.5, 0.6, 0.7, 0.7, 0.8], [0.5, 0.55, 0.65, 0.72, 0.7]],
-                              [[0.5, 0.55, 0.6, 0.65, 0.72], [0.5, 0.52, 0.6, 0.66, 0.68]], x)
+    noisy = stats.crossing_ratio([[0.5, 0.6, 0.7, 0.7, 0.8], [0.5, 0.55, 0.65, 0.72, 0.7]],
+                                 [[0.5, 0.55, 0.6, 0.65, 0.72], [0.5, 0.52, 0.6, 0.66, 0.68]], x)
     assert noisy.low <= noisy.value <= noisy.high
     with pytest.raises(ValueError, match="paired by seed"):
-        bs.crossing_ratio(fast, baseline[:2], x)
+        stats.crossing_ratio(fast, baseline[:2], x)
 
 
-def _prompt_scores(per_prompt: list[list[list[float]]]) -> bs.PromptScores:
+def _prompt_scores(per_prompt: list[list[list[float]]]) -> stats.PromptScores:
     """PromptScores from [prompt][image][atom] scores, through the evaluate stage's JSON."""
     flat = [img for prompt in per_prompt for img in prompt]
-    return bs.PromptScores.from_json({"prompts": [f"p{i}" for i in range(len(per_prompt))],
-                                      "images_per_prompt": len(per_prompt[0]), "scores": flat})
+    return stats.PromptScores.from_json({"prompts": [f"p{i}" for i in range(len(per_prompt))],
+                                         "images_per_prompt": len(per_prompt[0]), "scores": flat})
 
 
 def test_checkpoint_figures_are_ratios_of_sums_with_prompt_clusters():
     s = _prompt_scores([[[1.0, 0.0], [1.0, 1.0]], [[0.2, 0.4, 0.6], [0.9, 0.9, 0.9]]])
-    c = bs.checkpoint_figures(s)
+    c = stats.checkpoint_figures(s)
     assert c.mean_score.mean == pytest.approx((1 + 0 + 1 + 1 + 0.2 + 0.4 + 0.6 + 2.7) / 10)
     assert c.strict_accuracy.mean == pytest.approx(2 / 4)  # [1, 1] and [0.9] x 3 pass
     assert c.images == 4 and c.mean_score.n == 2
@@ -125,41 +161,41 @@ def test_checkpoint_figures_are_ratios_of_sums_with_prompt_clusters():
     want = 1.959963985 * math.sqrt(4 * 2 * var[0] + 9 * 2 * var[1]) / (2 * 5)
     assert c.noise_half_width == pytest.approx(want)
     same = _prompt_scores([[[0.5, 0.5]], [[0.5, 0.5]]])
-    assert bs.checkpoint_figures(same).mean_score.low == pytest.approx(0.5)
-    assert bs.checkpoint_figures(same).noise_half_width is None  # one image per prompt
+    assert stats.checkpoint_figures(same).mean_score.low == pytest.approx(0.5)
+    assert stats.checkpoint_figures(same).noise_half_width is None  # one image per prompt
 
 
 def test_paired_gain_cancels_prompt_effects():
     old = _prompt_scores([[[0.2, 0.2], [0.4, 0.4]], [[0.8, 0.8], [0.6, 0.6]]])
     new = _prompt_scores([[[0.3, 0.3], [0.5, 0.5]], [[0.9, 0.9], [0.7, 0.7]]])
-    score, strict = bs.paired_gain(new, old)
+    score, strict = stats.paired_gain(new, old)
     assert (score.mean, score.low, score.high) == pytest.approx((0.1, 0.1, 0.1))
     assert strict.mean == pytest.approx(0.0)
     with pytest.raises(ValueError, match="same prompts"):
-        bs.paired_gain(new, _prompt_scores([[[0.3, 0.3]]]))
+        stats.paired_gain(new, _prompt_scores([[[0.3, 0.3]]]))
 
 
 # ---- protocol -----------------------------------------------------------------------------
 
 
 def test_sizes_and_samples_seen():
-    assert bm.FULL.samples()[:3] == [0, 128, 256]
-    assert len(bm.FULL.samples()) == bm.FULL.iterations + 1
-    assert (bm.FULL.per_iteration, bm.FULL.group_size, bm.FULL.seeds) == (8, 16, 3)
-    assert bm.QUICK.seeds == 1
+    assert FULL.samples()[:3] == [0, 128, 256]
+    assert len(FULL.samples()) == FULL.iterations + 1
+    assert (FULL.per_iteration, FULL.group_size, FULL.seeds) == (8, 16, 3)
+    assert QUICK.seeds == 1
     with pytest.raises(ValueError, match=">= 1"):
-        bm.Size(iterations=0, seeds=1, per_iteration=1, group_size=2, probe_images=1,
-                pool_images=1, hard_images=1, eval_images=1)
+        Size(iterations=0, seeds=1, per_iteration=1, group_size=2, probe_images=1,
+             pool_images=1, hard_images=1, eval_images=1)
     with pytest.raises(ValueError, match="group_size >= 2"):
-        bm.Size(iterations=1, seeds=1, per_iteration=1, group_size=1, probe_images=1,
-                pool_images=1, hard_images=1, eval_images=1)
+        Size(iterations=1, seeds=1, per_iteration=1, group_size=1, probe_images=1,
+             pool_images=1, hard_images=1, eval_images=1)
 
 
 def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
-    recipes = {a.name: bm.recipe_for(a, 1, bm.QUICK, f"t-{a.name}", 1) for a in bm.arms()}
-    bm.check_equal_budget(list(recipes.values()))
+    recipes = {a.name: recipe_for(a, 1, QUICK, f"t-{a.name}", 1) for a in arms()}
+    check_equal_budget(list(recipes.values()))
     for r in recipes.values():
-        assert (r.prompts.train, r.prompts.selection) == (bm.POOL, "cycle")
+        assert (r.prompts.train, r.prompts.selection) == (POOL, "cycle")
         assert (r.prompts.per_iteration, r.prompts.group_size) == (8, 16)
     assert (recipes["flowgrpo"].advantage.kind, recipes["flowgrpo"].window.mode) == (
         "scalar", "fixed")
@@ -169,7 +205,7 @@ def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
     assert recipes["cast-no-map"].advantage.kind == "atom"
     late = recipes["cast-late-window"]
     assert (late.window.mode, late.window.start, late.window.size) == ("fixed", 6, 3)
-    for name, overrides, _ in bm.FIXES:  # one change each to the cast arm
+    for name, overrides, _ in FIXES:  # one change each to the cast arm
         changed = {f"{sec}.{k}" for sec in ("advantage", "train")
                    for k, v in getattr(recipes[name], sec).model_dump().items()
                    if v != getattr(recipes["cast"], sec).model_dump()[k]}
@@ -177,89 +213,89 @@ def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
     for name, weighting in (("recast-equal", "recast"), ("static-skewed", "static"),
                             ("recast-skewed", "recast")):
         assert recipes[name].recast.weighting == weighting
-    assert recipes["static-skewed"].recast.budget_map() == bm.SKEWED
-    other = bm.recipe_for(bm.arms()[1], 2, bm.QUICK, "t-other", 1)
+    assert recipes["static-skewed"].recast.budget_map() == SKEWED
+    other = recipe_for(arms()[1], 2, QUICK, "t-other", 1)
     with pytest.raises(ValueError, match="seed"):
-        bm.check_equal_budget([recipes["cast"], other])
-    assert bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-lr", 1, lr=1e-2).train.lr == 1e-2
-    free = bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-cfg", 1, guidance=1.0)
+        check_equal_budget([recipes["cast"], other])
+    assert recipe_for(arms()[1], 1, QUICK, "t-lr", 1, lr=1e-2).train.lr == 1e-2
+    free = recipe_for(arms()[1], 1, QUICK, "t-cfg", 1, guidance=1.0)
     assert free.sampling.guidance_scale == free.eval.guidance_scale == 1.0
-    assert recipes[bm.arms()[1].name].sampling.guidance_scale == 1.0  # the recipes' (CFG-free)
-    guided = bm.recipe_for(bm.arms()[1], 1, bm.QUICK, "t-cfg4", 1, guidance=4.0)
+    assert recipes[arms()[1].name].sampling.guidance_scale == 1.0  # the recipes' (CFG-free)
+    guided = recipe_for(arms()[1], 1, QUICK, "t-cfg4", 1, guidance=4.0)
     assert guided.sampling.guidance_scale == guided.eval.guidance_scale == 4.0
 
 
 
 def test_set_puts_one_lever_on_every_arm_after_its_overrides():
-    settings = bm.parse_settings(["train.lora_rank=32", "train.lora_alpha=32.0",
-                                  "window.size=4", "sampling.sde_kind=cps"])
+    settings = cli.parse_settings(["train.lora_rank=32", "train.lora_alpha=32.0",
+                                   "window.size=4", "sampling.sde_kind=cps"])
     assert settings == {"train.lora_rank": 32, "train.lora_alpha": 32.0, "window.size": 4,
                         "sampling.sde_kind": "cps"}
-    recipes = [bm.recipe_for(a, 0, bm.QUICK, f"t-{a.name}", 1, settings=settings)
-               for a in bm.arms("main")]
+    recipes = [recipe_for(a, 0, QUICK, f"t-{a.name}", 1, settings=settings)
+               for a in arms("main")]
     for r in recipes:
         assert (r.train.lora_rank, r.train.lora_alpha, r.window.size) == (32, 32.0, 4)
-    bm.check_equal_budget(recipes)  # the same lever on every arm keeps them at equal budget
-    late = next(a for a in bm.arms() if a.name == "cast-late-window")
-    assert bm.recipe_for(late, 0, bm.QUICK, "t-late", 1,
-                         settings={"window.start": 2}).window.start == 2  # --set wins
+    check_equal_budget(recipes)  # the same lever on every arm keeps them at equal budget
+    late = next(a for a in arms() if a.name == "cast-late-window")
+    assert recipe_for(late, 0, QUICK, "t-late", 1,
+                      settings={"window.start": 2}).window.start == 2  # --set wins
     for bad in (["lora_rank=32"], ["train.lora_rank"], ["=3"]):
         with pytest.raises(ValueError, match="SECTION.FIELD=VALUE"):
-            bm.parse_settings(bad)
+            cli.parse_settings(bad)
     with pytest.raises(Exception, match="lora_rank"):  # the recipe loader checks the value
-        bm.recipe_for(bm.arms()[0], 0, bm.QUICK, "t-bad", 1, settings={"train.lora_rank": 0})
+        recipe_for(arms()[0], 0, QUICK, "t-bad", 1, settings={"train.lora_rank": 0})
 
 def test_suites_and_arm_selection():
-    assert [a.name for a in bm.arms("main")] == ["flowgrpo", "cast"]
-    ablations = {a.name for a in bm.arms("ablations")}
-    for arm, reference, _ in bm.ONE_CHANGE:  # every pair names two arms of the ablations suite
+    assert [a.name for a in arms("main")] == ["flowgrpo", "cast"]
+    ablations = {a.name for a in arms("ablations")}
+    for arm, reference, _ in ONE_CHANGE:  # every pair names two arms of the ablations suite
         assert {arm, reference} <= ablations, (arm, reference)
-    recast = {a.name for a in bm.arms("recast")}
-    assert {a for pair in bm.RECAST_PAIRS for a in pair} | {"flowgrpo"} == recast
-    assert all(a.name in {b.name for b in bm.arms()} for a in bm.arms("ablations"))
+    recast = {a.name for a in arms("recast")}
+    assert {a for pair in RECAST_PAIRS for a in pair} | {"flowgrpo"} == recast
+    assert all(a.name in {b.name for b in arms()} for a in arms("ablations"))
     with pytest.raises(ValueError, match="suite"):
-        bm.arms("all")
-    picked = bm.select_arms("main", ["recast-equal", "flowgrpo"])  # any suite's arms
+        arms("all")
+    picked = select_arms("main", ["recast-equal", "flowgrpo"])  # any suite's arms
     assert [a.name for a in picked] == ["flowgrpo", "recast-equal"]
     for bad in (["cast"], ["flowgrpo", "nope"]):
         with pytest.raises(ValueError, match="must name known arms"):
-            bm.select_arms("main", bad)
+            select_arms("main", bad)
 
 
 def test_eval_passes_are_paired_across_arms_with_fresh_final_pool_noise():
-    size = bm.QUICK
-    passes = bm.eval_passes(size, {"hard": bm.HARD, "eval": bm.EVAL})
-    assert (passes["probe"].splits, passes["probe"].seed_offset) == ({"probe": bm.POOL}, 0)
-    assert (passes["pool"].splits, passes["pool"].seed_offset) == ({"pool": bm.POOL}, 1000)
-    assert (passes["hard"].splits, passes["eval"].splits) == ({"hard": bm.HARD},
-                                                              {"eval": bm.EVAL})
+    size = QUICK
+    passes = eval_passes(size, {"hard": HARD, "eval": EVAL})
+    assert (passes["probe"].splits, passes["probe"].seed_offset) == ({"probe": POOL}, 0)
+    assert (passes["pool"].splits, passes["pool"].seed_offset) == ({"pool": POOL}, 1000)
+    assert (passes["hard"].splits, passes["eval"].splits) == ({"hard": HARD},
+                                                              {"eval": EVAL})
     assert (passes["hard"].seed_offset, passes["eval"].images) == (0, size.eval_images)
     assert passes["pool"].images == size.pool_images
-    recipes = [bm.recipe_for(a, 0, size, f"t-{a.name}", 1) for a in bm.arms("main")]
-    base = bm.recipe_for(bm.arms()[0], 0, size, "t-base", 1)
-    bm.check_paired_evals([base, *recipes], passes)
-    probe = bm.with_eval(recipes[1], passes["probe"])
+    recipes = [recipe_for(a, 0, size, f"t-{a.name}", 1) for a in arms("main")]
+    base = recipe_for(arms()[0], 0, size, "t-base", 1)
+    check_paired_evals([base, *recipes], passes)
+    probe = with_eval(recipes[1], passes["probe"])
     assert (probe.eval.images_per_prompt, probe.eval.max_prompts) == (size.probe_images, None)
     odd = recipes[1].model_copy(update={"eval": recipes[1].eval.model_copy(
         update={"num_steps": 6})})
     with pytest.raises(ValueError, match="not be paired"):
-        bm.check_paired_evals([base, odd], passes)
+        check_paired_evals([base, odd], passes)
 
 
 # ---- summary and figures on synthetic results ----------------------------------------------
 
 
-def _results(size: bm.Size, curves: dict, finals: dict, prefix: str = "t") -> bm.Results:
+def _results(size: Size, curves: dict, finals: dict, prefix: str = "t") -> Results:
     """Results with probe mean scores curves[arm][seed] ([K + 1], index 0 the base), final
     evaluation gains finals[arm][seed] on every split (each image's atoms all shifted), one
     second per stage and 2 s per evaluation."""
-    splits, evals, scores, seconds = bm.FINAL_SPLITS, {}, {}, {}
+    splits, evals, scores, seconds = FINAL_SPLITS, {}, {}, {}
     base_atoms = [[[0.5, 0.4], [0.6, 0.5]], [[0.3, 0.7], [0.5, 0.5]]]  # [prompt][image][atom]
 
     def add(run, k, split, shift):
         s = _prompt_scores([[[a + shift for a in img] for img in p] for p in base_atoms])
         scores[(run, k, split)] = s
-        c = bs.checkpoint_figures(s)
+        c = stats.checkpoint_figures(s)
         evals[(run, k, split)] = {"mean_score": c.mean_score.mean,
                                   "strict_accuracy": c.strict_accuracy.mean, "hf_energy": 0.1}
 
@@ -271,21 +307,21 @@ def _results(size: bm.Size, curves: dict, finals: dict, prefix: str = "t") -> bm
                                       "hf_energy": 0.1}
     for arm, per_seed in curves.items():
         for x, curve in enumerate(per_seed):
-            run = bm.run_name(prefix, arm, x)
+            run = run_name(prefix, arm, x)
             for k in range(size.iterations):
                 evals[(run, k, "probe")] = {"mean_score": curve[k + 1], "strict_accuracy": 0.0,
                                             "hf_energy": 0.1}
-                seconds |= {(run, k, st): 1.0 for st in bm.ITERATION_STAGES}
+                seconds |= {(run, k, st): 1.0 for st in ITERATION_STAGES}
                 seconds[(run, k, "eval:probe")] = 2.0
-            seconds |= {(run, -1, st): 1.0 for st in bm.RUN_STAGES}
-            seconds |= {(run, size.iterations - 1, f"eval:{p}"): 2.0 for p in bm.FINAL_SPLITS}
+            seconds |= {(run, -1, st): 1.0 for st in RUN_STAGES}
+            seconds |= {(run, size.iterations - 1, f"eval:{p}"): 2.0 for p in FINAL_SPLITS}
             for split in splits:
                 add(run, size.iterations - 1, split, finals[arm][x])
-    return bm.Results(evals, seconds, scores, {}, {}, {}, {}, {}, {})
+    return Results(evals, seconds, scores, {}, {}, {}, {}, {}, {})
 
 
-SMALL = bm.Size(iterations=4, seeds=3, per_iteration=8, group_size=16, probe_images=4,
-                pool_images=2, hard_images=2, eval_images=2)
+SMALL = Size(iterations=4, seeds=3, per_iteration=8, group_size=16, probe_images=4,
+             pool_images=2, hard_images=2, eval_images=2)
 
 
 def test_summary_curves_gains_efficiency_and_times():
@@ -294,7 +330,7 @@ def test_summary_curves_gains_efficiency_and_times():
                        [0.5, 0.6, 0.7, 0.74, 0.8]]}
     finals = {"flowgrpo": [0.02, 0.03, 0.04], "cast": [0.08, 0.09, 0.10]}
     res = _results(SMALL, curves, finals)
-    sm = bm.summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
+    sm = summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
     assert sm.samples == [0, 128, 256, 384, 512]
     assert sm.curve[("cast", "mean_score")][2] == curves["cast"][2]
     assert sm.threshold == pytest.approx(0.7)
@@ -311,12 +347,12 @@ def test_summary_curves_gains_efficiency_and_times():
     assert sm.minutes[("cast", 1)] == pytest.approx((2 + 4 * 6 + 6) / 60)
     assert sm.stage_median[("cast", "iteration")] == 4.0
     assert sm.time_ratio[("cast", "iteration")] == 1.0
-    one = bm.summarise(_results(replace_seeds(SMALL, 1), {a: c[:1] for a, c in curves.items()},
-                                finals), ["flowgrpo", "cast"], [0], "t", replace_seeds(SMALL, 1))
+    one = summarise(_results(replace_seeds(SMALL, 1), {a: c[:1] for a, c in curves.items()},
+                             finals), ["flowgrpo", "cast"], [0], "t", replace_seeds(SMALL, 1))
     assert one.gain[("flowgrpo", "pool", "mean_score")].low == pytest.approx(0.02)  # prompt CI
 
 
-def replace_seeds(size: bm.Size, seeds: int) -> bm.Size:
+def replace_seeds(size: Size, seeds: int) -> Size:
     from dataclasses import replace
 
     return replace(size, seeds=seeds)
@@ -329,20 +365,20 @@ def _setup(quick=False, skipped=0, wall_s=600.0):
 def test_type_gains_are_paired_per_seed_and_skip_missing_types():
     curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 2}
     res = _results(SMALL, curves, {"flowgrpo": [0.1, 0.1]})
-    sm = bm.summarise(res, ["flowgrpo"], [0, 1], "t", SMALL)
+    sm = summarise(res, ["flowgrpo"], [0, 1], "t", SMALL)
     last = SMALL.iterations - 1
     types = {("t-base", -1, "hard", "count"): 0.4, ("t-base", -1, "hard", "object"): 0.8}
-    types |= {(bm.run_name("t", "flowgrpo", x), last, "hard", "count"): 0.4 - 0.1 * (x + 1)
+    types |= {(run_name("t", "flowgrpo", x), last, "hard", "count"): 0.4 - 0.1 * (x + 1)
               for x in (0, 1)}
-    types |= {(bm.run_name("t", "flowgrpo", x), last, "hard", "object"): 0.9 for x in (0, 1)}
+    types |= {(run_name("t", "flowgrpo", x), last, "hard", "object"): 0.9 for x in (0, 1)}
     res = replace(res, type_evals=types)
-    found = br.type_gains(res, sm, "t", last)
+    found = type_gains(res, sm, "t", last)
     assert set(found) == {("flowgrpo", "hard", "count"), ("flowgrpo", "hard", "object")}
     base, gain = found[("flowgrpo", "hard", "count")]
     assert base == pytest.approx(0.4) and gain.mean == pytest.approx(-0.15)
     assert gain.low < -0.15 < gain.high
     assert found[("flowgrpo", "hard", "object")][1].mean == pytest.approx(0.1)
-    text = br.type_gain_table(res, sm, "t", last)
+    text = type_gain_table(res, sm, "t", last)
     assert "count: base, gain" in text and "attribute" not in text
     assert "-0.150" in text
 
@@ -351,9 +387,9 @@ def test_figures_json_entries_and_met_logic():
     curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3,
               "cast": [[0.5, 0.6, 0.7, 0.72, 0.75]] * 3}
     finals = {"flowgrpo": [0.11, 0.12, 0.13], "cast": [0.36, 0.37, 0.38]}
-    sm = bm.summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
-                      SMALL)
-    entries = {e["name"]: e for e in br.figures(sm, _setup())}
+    sm = summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
+                   SMALL)
+    entries = {e["name"]: e for e in figures(sm, _setup())}
     assert set(entries) == {"flowgrpo pool gain", "flowgrpo hard gain", "minutes per arm and seed",
                             "cast / flowgrpo hard gain ratio",
                             "cast / flowgrpo samples to threshold", "full benchmark wall minutes"}
@@ -373,10 +409,10 @@ def test_figures_json_entries_and_met_logic():
     # not met: small gains, slower cast; undecidable: flowgrpo does not gain, a resumed run
     finals = {"flowgrpo": [0.05, 0.06, 0.04], "cast": [0.05, 0.06, 0.07]}
     curves["cast"] = [[0.5, 0.52, 0.55, 0.6, 0.62]] * 3
-    sm = bm.summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
-                      SMALL)
-    entries = {e["name"]: e for e in br.figures(sm, _setup(quick=True, skipped=3,
-                                                           wall_s=1200))}
+    sm = summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
+                   SMALL)
+    entries = {e["name"]: e for e in figures(sm, _setup(quick=True, skipped=3,
+                                                        wall_s=1200))}
     assert entries["flowgrpo pool gain"]["met"] is False
     assert entries["cast / flowgrpo hard gain ratio"]["met"] is False  # 1.2 < 3
     crossing = entries["cast / flowgrpo samples to threshold"]
@@ -385,14 +421,14 @@ def test_figures_json_entries_and_met_logic():
     wall = entries["quick benchmark wall minutes"]
     assert wall["met"] is None and "resumed" in wall["about"] and wall["goal"] == "<= 10"
     finals["flowgrpo"] = [-0.01, -0.02, 0.0]
-    sm = bm.summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
-                      SMALL)
-    ratio = {e["name"]: e for e in br.figures(sm, _setup())}["cast / flowgrpo hard gain ratio"]
+    sm = summarise(_results(SMALL, curves, finals), ["flowgrpo", "cast"], [0, 1, 2], "t",
+                   SMALL)
+    ratio = {e["name"]: e for e in figures(sm, _setup())}["cast / flowgrpo hard gain ratio"]
     assert ratio["value"] is None and ratio["met"] is None and "<= 0" in ratio["about"]
-    only = bm.summarise(_results(SMALL, {"flowgrpo": curves["flowgrpo"]},
-                                 {"flowgrpo": finals["flowgrpo"]}), ["flowgrpo"], [0, 1, 2], "t",
-                        SMALL)
-    entries = {e["name"]: e for e in br.figures(only, _setup())}
+    only = summarise(_results(SMALL, {"flowgrpo": curves["flowgrpo"]},
+                              {"flowgrpo": finals["flowgrpo"]}), ["flowgrpo"], [0, 1, 2], "t",
+                     SMALL)
+    entries = {e["name"]: e for e in figures(only, _setup())}
     assert entries["cast / flowgrpo hard gain ratio"]["met"] is None
     assert "cast was not run" in entries["cast / flowgrpo hard gain ratio"]["about"]
 
@@ -401,12 +437,12 @@ def test_hacking_figures_are_relative_hf_changes_over_seeds():
     curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3,
               "cast": [[0.5, 0.6, 0.7, 0.72, 0.75]] * 3}
     res = _results(SMALL, curves, {"flowgrpo": [0.1] * 3, "cast": [0.1] * 3})
-    sm = bm.summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
+    sm = summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
     last = SMALL.iterations - 1
     busier = [0.2, 0.19, 0.21]  # base 0.1: +100%, +90%, +110% (bars read as shapes)
     for x, hf in enumerate(busier):
-        res.evals[(bm.run_name("t", "flowgrpo", x), last, "pool")]["hf_energy"] = hf
-    entries = {e["name"]: e for e in br.hacking_figures(sm, res, "t", last)}
+        res.evals[(run_name("t", "flowgrpo", x), last, "pool")]["hf_energy"] = hf
+    entries = {e["name"]: e for e in hacking_figures(sm, res, "t", last)}
     assert set(entries) == {f"{a} {s} hf energy change" for a in ("flowgrpo", "cast")
                             for s in ("pool", "hard")}
     hacked = entries["flowgrpo pool hf energy change"]
@@ -415,7 +451,7 @@ def test_hacking_figures_are_relative_hf_changes_over_seeds():
     clean = entries["cast hard hf energy change"]
     assert clean["value"] == pytest.approx(0.0) and clean["met"] is True
     del res.evals[("t-base", -1, "hard")]
-    missing = {e["name"]: e for e in br.hacking_figures(sm, res, "t", last)}
+    missing = {e["name"]: e for e in hacking_figures(sm, res, "t", last)}
     assert missing["cast hard hf energy change"]["met"] is None
 
 
@@ -424,8 +460,8 @@ def test_one_change_is_the_paired_seed_difference():
                                                              "cast")}
     finals = {"flowgrpo": [0.10, 0.00, 0.05], "flowgrpo-calibrated": [0.13, 0.01, 0.09],
               "cast": [0.02, 0.04, 0.03]}
-    sm = bm.summarise(_results(SMALL, curves, finals), list(finals), [0, 1, 2], "t", SMALL)
-    diffs = bm.one_change(sm, list(finals))
+    sm = summarise(_results(SMALL, curves, finals), list(finals), [0, 1, 2], "t", SMALL)
+    diffs = one_change(sm, list(finals))
     assert {(a, r) for a, r, _, _ in diffs} == {("flowgrpo-calibrated", "flowgrpo"),
                                                ("cast", "flowgrpo")}
     d = diffs[("flowgrpo-calibrated", "flowgrpo", "hard", "mean_score")]
@@ -434,7 +470,7 @@ def test_one_change_is_the_paired_seed_difference():
     assert d.mean == pytest.approx(0.08 / 3)
     assert (d.low, d.high) == (pytest.approx(0.08 / 3 - half, rel=1e-4),
                                pytest.approx(0.08 / 3 + half, rel=1e-4))
-    text = br.one_change_table(sm)
+    text = one_change_table(sm)
     assert "flowgrpo-calibrated - flowgrpo" in text and "cast - flowgrpo" in text
     assert "cast - cast-no-map" not in text  # cast-no-map was not run
 
@@ -446,12 +482,12 @@ def test_one_change_is_the_paired_seed_difference():
 def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
     monkeypatch.chdir(REPO)
-    size = bm.Size(iterations=2, seeds=2, per_iteration=4, group_size=2, probe_images=1,
-                   pool_images=2, hard_images=2, eval_images=2, held_out_prompts=3,
-                   calibration_prompts=2)
-    arms = ["flowgrpo", "cast", "cast-no-map", "recast-equal", "static-skewed", "recast-skewed"]
-    out = bm.run_benchmark(size, tmp_path / "store", tmp_path / "report", "tiny", threads=1,
-                           only=arms)
+    size = Size(iterations=2, seeds=2, per_iteration=4, group_size=2, probe_images=1,
+                pool_images=2, hard_images=2, eval_images=2, held_out_prompts=3,
+                calibration_prompts=2)
+    names = ["flowgrpo", "cast", "cast-no-map", "recast-equal", "static-skewed", "recast-skewed"]
+    out = run_benchmark(size, tmp_path / "store", tmp_path / "report", "tiny", threads=1,
+                        only=names)
     report = (tmp_path / "report" / "report.md").read_text()
     for name in ("gains.png", "learning_curves.png", "stage_times.png", "grid-base-pool.png",
                  "grid-cast-hard.png", "gains-recast-equal-it0.png"):
@@ -462,7 +498,7 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
                     "## ReCAST", "## Checkpoints"):
         assert section in report
     entries = json.loads((tmp_path / "report" / "figures.json").read_text())
-    assert len(entries) == 6 + 2 * len(arms)  # the targets, then hf energy per arm and split
+    assert len(entries) == 6 + 2 * len(names)  # the targets, then hf energy per arm and split
     assert entries[5]["name"] == "full benchmark wall minutes"
     assert entries[-1]["name"] == "recast-skewed hard hf energy change"
     from tasks.store import Store
@@ -494,41 +530,41 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
 
     before = sorted(p.name for p in (tmp_path / "store").rglob("*.parquet"))
     with pytest.raises(RecipeMismatch, match="train.lr"):
-        bm.run_benchmark(size, tmp_path / "store", tmp_path / "report2", "tiny", threads=1,
-                         only=["flowgrpo"], lr=3e-4)
+        run_benchmark(size, tmp_path / "store", tmp_path / "report2", "tiny", threads=1,
+                      only=["flowgrpo"], lr=3e-4)
     assert sorted(p.name for p in (tmp_path / "store").rglob("*.parquet")) == before
 
 
 def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
     """The forward-process arms share everything with the SDE arms but the SDE's exploration
     settings; the SDE arms must still agree on those among themselves."""
-    arms = bm.arms("nft")
-    assert [a.name for a in arms] == ["flowgrpo", "cast", "nft", "nft-cast"]
-    recipes = [bm.recipe_for(a, 0, bm.QUICK, f"t-{a.name}", 1) for a in arms]
-    bm.check_equal_budget(recipes)
+    nft_arms = arms("nft")
+    assert [a.name for a in nft_arms] == ["flowgrpo", "cast", "nft", "nft-cast"]
+    recipes = [recipe_for(a, 0, QUICK, f"t-{a.name}", 1) for a in nft_arms]
+    check_equal_budget(recipes)
     nft, nft_cast = recipes[2:]
     assert (nft.train.objective, nft.sampling.noise_level, nft.advantage.kind) == ("nft", 0.0,
                                                                                   "scalar")
     assert (nft_cast.advantage.kind, nft_cast.sampling.shared_noise) == ("spatial", False)
-    louder = bm.recipe_for(bm.Arm("loud", bm.CAST_RECIPE, {"sampling.noise_level": 0.9}, ""),
-                           0, bm.QUICK, "t-loud", 1)
+    louder = recipe_for(Arm("loud", CAST_RECIPE, {"sampling.noise_level": 0.9}, ""),
+                        0, QUICK, "t-loud", 1)
     with pytest.raises(ValueError, match="noise_level"):
-        bm.check_equal_budget([recipes[0], louder])
+        check_equal_budget([recipes[0], louder])
 
 
 def test_pool_file_takes_the_pools_first_prompts(tmp_path):
     from tasks.store import Store
 
     store = Store(tmp_path / "store")
-    assert bm.pool_file(store, None) == bm.POOL
-    lines = [x for x in Path(bm.POOL).read_text().splitlines() if x.strip()]
-    small = bm.pool_file(store, 3)
+    assert pool_file(store, None) == POOL
+    lines = [x for x in Path(POOL).read_text().splitlines() if x.strip()]
+    small = pool_file(store, 3)
     assert Path(small).read_text().splitlines() == lines[:3]
-    recipe = bm.recipe_for(bm.arms()[0], 0, bm.QUICK, "t-small", 1, pool=small)
+    recipe = recipe_for(arms()[0], 0, QUICK, "t-small", 1, pool=small)
     assert recipe.prompts.train == small
     for bad in (0, len(lines) + 1):
         with pytest.raises(ValueError, match="--pool-prompts"):
-            bm.pool_file(store, bad)
+            pool_file(store, bad)
 
 
 def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
@@ -542,35 +578,68 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
         seen.update(size=size, store=str(store), report=str(report), lr=lr, only=only, **kw)
         return {}
 
-    monkeypatch.setattr(bm, "run_benchmark", fake_run)
+    monkeypatch.setattr(cli, "run_benchmark", fake_run)
     monkeypatch.chdir(tmp_path)  # main() makes the store's Prefect home under runs/
-    bm.main([])
-    p = bm.PROTOCOLS["cfg1-pool8"]
+    cli.main([])
+    p = PROTOCOLS["cfg1-pool8"]
     assert seen["size"] == p.size and seen["size"].iterations == 40
     assert (seen["guidance"], seen["pool_prompts"], seen["lr"], seen["kl_target"]) == (
         1.0, 8, 1e-3, 0.03)
     assert seen["report"] == "reports/cfg1-pool8-40it-kl003" and seen["jobs"] == 1
     assert seen["settings"] == {}
-    bm.main(["--quick"])
-    assert seen["size"] == bm.QUICK and seen["only"] == [bm.BASELINE]
+    cli.main(["--quick"])
+    assert seen["size"] == QUICK and seen["only"] == [BASELINE]
     assert (seen["guidance"], seen["pool_prompts"], seen["lr"], seen["kl_target"]) == (
         1.0, 8, 1e-3, 0.03)
     assert seen["store"] == "runs/bench-methods-quick/store" and seen["quick"]
-    bm.main(["--protocol", "cfg4-pool32"])
-    assert seen["size"] == bm.FULL and seen["report"] == "reports/cast-vs-flowgrpo"
+    cli.main(["--protocol", "cfg4-pool32"])
+    assert seen["size"] == FULL and seen["report"] == "reports/cast-vs-flowgrpo"
     assert (seen["guidance"], seen["lr"], seen["kl_target"]) == (4.0, 1e-3, None)
-    bm.main(["--protocol", "cfg1-pool8-lr4e-4", "--lr", "1e-3", "--guidance", "2",
-             "--iterations", "5", "--jobs", "2", "--set", "train.lora_rank=16"])
+    cli.main(["--protocol", "cfg1-pool8-lr4e-4", "--lr", "1e-3", "--guidance", "2",
+              "--iterations", "5", "--jobs", "2", "--set", "train.lora_rank=16"])
     assert (seen["lr"], seen["guidance"], seen["pool_prompts"]) == (1e-3, 2.0, 8)
     assert seen["size"].iterations == 5 and seen["size"].pool_images == 16 and seen["jobs"] == 2
     assert seen["kl_target"] is None and seen["settings"] == {"train.lora_rank": 16}
-    bm.main(["--protocol", "cfg1-pool8-lr4e-4", "--kl-target", "0.05"])
+    cli.main(["--protocol", "cfg1-pool8-lr4e-4", "--kl-target", "0.05"])
     assert seen["kl_target"] == 0.05 and seen["lr"] == 4e-4
     for bad in (["--protocol", "nope"], ["--kl-target", "0"], ["--set", "lora_rank=3"]):
         with pytest.raises(SystemExit):
-            bm.main(bad)
-    monkeypatch.chdir(Path(bm.__file__).resolve().parents[1])  # recipes are repo-relative
-    recipe = bm.recipe_for(bm.arms()[0], 1, p.size, "kl", 1, 1e-3, 1.0, kl_target=0.03)
+            cli.main(bad)
+    monkeypatch.chdir(REPO)  # recipes are repo-relative
+    recipe = recipe_for(arms()[0], 1, p.size, "kl", 1, 1e-3, 1.0, kl_target=0.03)
     assert (recipe.train.kl_target_nats, recipe.train.lr) == (0.03, 1e-3)
-    constant = bm.recipe_for(bm.arms()[0], 1, p.size, "const", 1, 4e-4, 1.0)
+    constant = recipe_for(arms()[0], 1, p.size, "const", 1, 4e-4, 1.0)
     assert constant.train.kl_target_nats is None  # even though the recipe targets 0.03 nats
+
+
+def test_report_copies_the_what_was_tried_section_of_the_history(tmp_path):
+    text = what_was_tried()  # reports/bench-methods-history.md
+    assert text.startswith("## What was tried (earlier runs, earlier protocol)\n\n")
+    assert text.endswith(".\n") and "\n## " not in text  # one section, one final newline
+    history = tmp_path / "history.md"
+    history.write_text("# t\n\n## What was tried (x)\n\nbody\n\n## Later\n\nmore\n")
+    assert what_was_tried(history) == "## What was tried (x)\n\nbody\n"
+    history.write_text("# t\n\n## Sizing\n")
+    with pytest.raises(ValueError, match="What was tried"):
+        what_was_tried(history)
+
+
+# the package's modules in import order: each may import only those before it
+PACKAGE_ORDER = ("arms", "stats", "protocols", "run", "store_reads", "summary", "tables", "plots",
+                 "figures", "report", "benchmark")
+
+
+def test_the_package_is_small_documented_modules_importing_one_way():
+    package = REPO / "benchmarks" / "methods"
+    assert {p.stem for p in package.glob("*.py")} == {"__init__", *PACKAGE_ORDER}
+    for path in [*package.glob("*.py"), REPO / "benchmarks" / "bench_methods.py"]:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+        assert len(text.splitlines()) <= 400, f"{path.name}: {len(text.splitlines())} lines"
+        assert ast.get_docstring(tree), f"{path.name} says in a docstring what it is"
+        if path.stem not in PACKAGE_ORDER:
+            continue
+        before = PACKAGE_ORDER[:PACKAGE_ORDER.index(path.stem)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("methods."):
+                assert node.module.split(".")[1] in before, f"{path.stem} imports {node.module}"

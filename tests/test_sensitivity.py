@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
-from cast_core.shapes.sensitivity import format_sensitivity, swap_word, word_sensitivity
+from cast_core.shapes.sensitivity import swap_word, word_sensitivity
+from flows.base_eval import format_sensitivity
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)
 RECORDS = [

@@ -108,15 +108,3 @@ def word_sensitivity(backbone: FlowModel, records: list[dict],
             rows.append(SensitivityRow(word_type, float(t), scenes, loss["true"], loss["swapped"],
                                        loss["empty"]))
     return rows
-
-
-def format_sensitivity(rows: list[SensitivityRow]) -> str:
-    """A markdown table of the rows."""
-    header = ("| word | t | scenes | loss, true prompt | one word swapped | empty prompt | swap gap "
-              "| text gain |")
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r.word_type} | {r.t:.2f} | {r.scenes} | {r.loss_true:.4f} | "
-                     f"{r.loss_swapped:.4f} | {r.loss_empty:.4f} | {r.swap_gap:+.1%} | "
-                     f"{r.text_gain:+.1%} |")
-    return "\n".join(lines)

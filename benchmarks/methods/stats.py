@@ -1,4 +1,4 @@
-"""Statistics of the CAST vs Flow-GRPO benchmark (benchmarks/bench_methods.py), pure numpy.
+"""Statistics of the methods benchmark (CAST vs Flow-GRPO), pure numpy.
 
 Over training seeds: `t_interval` (mean +- t_{0.975, n-1} s / sqrt(n)), `ratio_bootstrap` (a ratio
 of mean gains with a paired percentile bootstrap over seeds), `crossing_ratio` (samples for one

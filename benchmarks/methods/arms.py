@@ -1,0 +1,167 @@
+"""The arms of the methods benchmark: each a committed recipe plus overrides (`Arm`), grouped
+in suites (`arms`), and the check that arms compare at equal budget (`check_equal_budget`).
+
+Every arm starts from the committed base model. flowgrpo (data/recipes/shapes-flowgrpo.toml:
+scalar reward = mean atom score, group z-score, hand-set window [0, 3), all-dims clip range) and
+cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected through the
+verifier's heatmaps, per-position clip range) form suite `main`; suite `ablations` adds the
+one-change arms of `ONE_CHANGE` (window: cast-fixed-window, flowgrpo-calibrated,
+cast-late-window; map: cast-no-map, cast-no-map-fixed-window; per-atom vs scalar credit, which in
+cast-no-map-fixed-window - flowgrpo comes with the per-position ratio instead of the all-dims one:
+no arm changes the ratio alone; and the `FIXES`); suite `recast` adds the ReCAST pairs
+(recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
+adds the forward-process arms nft (scalar reward) and nft-cast (CAST's map as a per-position
+optimality), which sample with the ODE (`NFT`). The train settings other than the clip range are
+equal across arms (`check_equal_budget`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOWGRPO_RECIPE = "data/recipes/shapes-flowgrpo.toml"
+CAST_RECIPE = "data/recipes/shapes-cast.toml"
+BASELINE = "flowgrpo"
+SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling")
+SAME_TRAIN = ("lr", "kl_target_nats", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling",
+              "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch",
+              "micro_batch", "warmup_steps", "max_grad_norm", "weight_decay")
+SUITES = ("main", "ablations", "recast", "nft")
+# The SDE's exploration settings, equal across the SDE arms; the forward-process arms (NFT) sample
+# with the ODE from a fresh starting noise per sample instead.
+SDE_SAMPLING = ("noise_level", "sde_kind", "shared_noise", "noise_block")
+NFT = {"train.objective": "nft", "sampling.noise_level": 0.0, "sampling.shared_noise": False,
+       "window.mode": "fixed"}
+# The skewed budgets: the two weakest atom types of the base (count, relation) count double.
+SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
+# Window ablation: the steps where the atom types become decidable on the base model (ReCAST's
+# gains peak at sigma 0.4-0.2, i.e. steps 6-8 of 10), instead of the calibrated [0, 3) / [1, 4).
+LATE_WINDOW = {"window.mode": "fixed", "window.start": 6, "window.size": 3}
+# Fixes to try when CAST does not win (each one change to the cast arm).
+FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
+          "cast with per-atom z-scores (the paper's) instead of the pooled atom spread"),
+         ("cast-half-map", {"advantage.spatial_mix": 0.5},
+          "cast with half of each atom's credit through its heatmap, half uniform (mix 0.5)"),
+         ("cast-std-floor", {"advantage.std_floor": 0.1},
+          "cast with atom group std floored at 0.1 (near-tied atoms get small advantages)"),
+         ("cast-tight-clip", {"train.clip_range": 0.01},
+          "cast with per-position clip range 0.01 instead of 0.032"),
+         ("cast-peak-norm", {"advantage.heatmap_norm": "peak"},
+          "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"),
+         ("cast-own-heatmaps", {"advantage.heatmap_source": "own"},
+          ("cast with each sample's credit through its own heatmaps (the paper's), which its "
+           "own actions drew, instead of its group's other samples'")))
+# ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
+RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
+# One change at a time: (arm, reference arm, what the arm changes). Each row of the report's
+# "One change at a time" table is the per-seed difference arm - reference (paired: same prompts
+# and noise per seed); pairs whose arms were not run are left out.
+ONE_CHANGE = (
+    ("flowgrpo-calibrated", "flowgrpo", "window: calibrated, not hand-set (scalar reward)"),
+    ("cast", "cast-fixed-window", "window: calibrated, not hand-set (atom maps)"),
+    ("cast-late-window", "cast-fixed-window", "window: fixed [6, 9), not [0, 3) (atom maps)"),
+    ("cast-no-map-fixed-window", "flowgrpo",
+     ("advantage: atom z-scores (constant map, per-position ratio) instead of the scalar reward "
+     "(all-dims ratio; hand-set window)")),
+    ("cast-no-map", "flowgrpo-calibrated",
+     "advantage: atom z-scores instead of the scalar reward (calibrated window)"),
+    ("cast-fixed-window", "cast-no-map-fixed-window",
+     "map: heatmap projection instead of a constant map (hand-set window)"),
+    ("cast", "cast-no-map", ("map: heatmap projection instead of a constant map (calibrated "
+     "window)")),
+    *((name, "cast", about.removeprefix("cast ")) for name, _, about in FIXES),
+    ("cast", "flowgrpo", "all of CAST at once (the headline comparison)"),
+)
+
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method: a committed recipe plus overrides."""
+
+    name: str
+    recipe: str
+    overrides: dict
+    about: str
+
+
+def arms(suite: str | None = None) -> tuple[Arm, ...]:
+    """The suite's arms (None: every arm of every suite), flowgrpo first; the fixed-window arms
+    take the flowgrpo recipe's window section."""
+    from tasks.recipe import load_recipe
+
+    if suite is not None and suite not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}; got {suite!r}")
+    w = load_recipe(FLOWGRPO_RECIPE).window
+    fixed = {"window.mode": w.mode, "window.start": w.start, "window.size": w.size}
+    main = (Arm("flowgrpo", FLOWGRPO_RECIPE, {}, "scalar reward, hand-set window"),
+            Arm("cast", CAST_RECIPE, {}, "atom maps, calibrated window (= static weighting at "
+                "equal budgets)"))
+    ablations = (
+        Arm("cast-fixed-window", CAST_RECIPE, fixed, "atom maps, Flow-GRPO's window"),
+        Arm("cast-no-map", CAST_RECIPE, {"advantage.kind": "atom"},
+            "atom advantages, constant map, calibrated window"),
+        Arm("cast-late-window", CAST_RECIPE, LATE_WINDOW,
+            "atom maps, fixed late window (sigma 0.4-0.2, where ReCAST's gains peak)"),
+        *(Arm(name, CAST_RECIPE, overrides, about) for name, overrides, about in FIXES),
+        Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
+            "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
+        Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
+            "atom advantages, constant map, Flow-GRPO's window"))
+    recast = (
+        Arm("recast-equal", CAST_RECIPE, {"recast.weighting": "recast"},
+            "cast + ReCAST step weights, equal budgets"),
+        Arm("static-skewed", CAST_RECIPE, {"recast.weighting": "static", "recast.budgets": SKEWED},
+            "cast + static type weights, budgets " + _budgets_text(SKEWED)),
+        Arm("recast-skewed", CAST_RECIPE, {"recast.weighting": "recast", "recast.budgets": SKEWED},
+            "cast + ReCAST step weights, budgets " + _budgets_text(SKEWED)))
+    nft = (
+        Arm("nft", FLOWGRPO_RECIPE, NFT,
+            "forward-process (NFT) loss, scalar reward, ODE samples (cast_core.nft_update)"),
+        Arm("nft-cast", CAST_RECIPE, {**NFT, "window.start": w.start},
+            "forward-process (NFT) loss with CAST's atom-pixel map as optimality, ODE samples"))
+    by_suite = {"main": main, "ablations": (*main, *ablations), "recast": (*main, *recast),
+                "nft": (*main, *nft)}
+    return by_suite[suite] if suite is not None else (*main, *ablations, *recast, *nft)
+
+
+def _budgets_text(budgets: dict[str, float]) -> str:
+    return "/".join(f"{k} {v:g}" for k, v in budgets.items())
+
+
+def select_arms(suite: str, only: list[str] | None) -> tuple[Arm, ...]:
+    """The suite's arms, or those named in `only` (any suite's; the baseline among them)."""
+    if only is None:
+        return arms(suite)
+    every = arms()
+    unknown = sorted(set(only) - {a.name for a in every})
+    if unknown or BASELINE not in only:
+        raise ValueError(f"--arms must name known arms and include {BASELINE!r} (the gains are "
+                         f"compared with it); unknown: {unknown}; known: "
+                         f"{[a.name for a in every]}")
+    return tuple(a for a in every if a.name in only)
+
+
+def check_equal_budget(recipes: list) -> None:
+    """Raise unless the recipes share seed, prompts, sampler, models, window size and the train
+    settings other than the clip range."""
+    def budget(r) -> dict:
+        dump = r.model_dump(mode="json")
+        for field in SDE_SAMPLING:  # the forward-process arms sample with the ODE
+            dump["sampling"].pop(field)
+        return {"seed": r.run.seed, "window_size": r.window.size,
+                **{s: dump[s] for s in SAME_SECTIONS},
+                **{f"train.{f}": dump["train"].get(f) for f in SAME_TRAIN}}
+
+    def exploration(r) -> dict:
+        return {f"sampling.{f}": getattr(r.sampling, f) for f in SDE_SAMPLING}
+
+    first = budget(recipes[0])
+    sde = [r for r in recipes if r.train.objective == "sde"]
+    for r in recipes[1:]:
+        diff = [k for k, v in budget(r).items() if v != first[k]]
+        if r in sde and sde[0] is not r:
+            diff += [k for k, v in exploration(r).items() if v != exploration(sde[0])[k]]
+        if diff:
+            raise ValueError(f"arms {recipes[0].run.name} and {r.run.name} differ in {diff}: "
+                             f"the comparison would not be at equal budget")

@@ -1,0 +1,66 @@
+"""Running the methods benchmark's stages: one arm x seed run with its probes and final
+evaluation (`train_run`), many runs in spawned worker processes (`train_runs`), and the base
+model's evaluations (`evaluate_base`). Stages are called as plain functions (no Prefect server) in
+the order of `tasks.iteration`, on one store; a stage already finished there is skipped, so a
+re-run resumes."""
+
+from __future__ import annotations
+
+from methods.protocols import FINAL_SPLITS, EvalPass, Size, with_eval
+
+
+def train_run(store, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
+    """Run-level stages, the iterations with a probe after each, and the final evaluation ->
+    {(iteration, what): StageRef} (what: a stage name, or "eval:<pass>")."""
+    from tasks.evaluate_checkpoint import evaluate_checkpoint
+    from tasks.iteration import plain_stages, run_iteration, run_setup
+
+    stages = plain_stages()
+    setup = run_setup(stages, store, recipe)
+    refs = {(-1, name): ref for name, ref in setup.items()}
+    for k in range(size.iterations):
+        for name, ref in run_iteration(stages, store, recipe, setup, k).items():
+            # ReCAST gains are recorded at the iteration they were estimated on
+            refs[(ref.iteration if name == "recast_gains" else k, name)] = ref
+        refs[(k, "eval:probe")] = evaluate_checkpoint(store, with_eval(recipe, passes["probe"]), k)
+        spent = sum(r.seconds for (i, w), r in refs.items() if i == k and w != "eval:probe")
+        print(f"{recipe.run.name} iteration {k}: {spent:.1f} s, probe "
+              f"{refs[(k, 'eval:probe')].seconds:.1f} s", flush=True)
+    last = size.iterations - 1
+    for name in FINAL_SPLITS:
+        refs[(last, f"eval:{name}")] = evaluate_checkpoint(store, with_eval(recipe, passes[name]),
+                                                           last)
+    print(f"{recipe.run.name} final evaluation: "
+          f"{sum(refs[(last, f'eval:{n}')].seconds for n in FINAL_SPLITS):.1f} s", flush=True)
+    return refs
+
+
+def _train_run_in_worker(store_dir: str, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
+    """`train_run` in a worker process: its own Store on the same root (every write is atomic and
+    the catalog rebuild is locked, so runs of different names may write side by side)."""
+    from tasks.store import Store
+
+    return train_run(Store(store_dir), recipe, size, passes)
+
+
+def train_runs(store, runs: list, size: Size, passes: dict[str, EvalPass],
+               jobs: int = 1) -> dict:
+    """`train_run` for each recipe of `runs` -> {run name: refs}; with jobs > 1, that many runs at
+    a time in spawned worker processes (each with the recipe's own torch threads)."""
+    if jobs <= 1:
+        return {r.run.name: train_run(store, r, size, passes) for r in runs}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {r.run.name: pool.submit(_train_run_in_worker, str(store.root), r, size, passes)
+                   for r in runs}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def evaluate_base(store, recipe, passes: dict[str, EvalPass]) -> dict:
+    """Every pass on the base model (iteration -1) -> {(-1, "eval:<pass>"): StageRef}."""
+    from tasks.evaluate_checkpoint import evaluate_checkpoint
+
+    return {(-1, f"eval:{p.name}"): evaluate_checkpoint(store, with_eval(recipe, p), -1)
+            for p in passes.values()}
