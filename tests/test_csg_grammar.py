@@ -243,6 +243,13 @@ NEGATIVE = [
     ("a sandcastle next to a red bucket and a yellow shovel on a beach",
      "'a yellow shovel' after 'next to' and 'and' is followed by 'on a beach', a ground or scene"),
     ("a cat next to a dog and a bird above it", "'above it' could name any of ['1 cat', '1 dog']"),
+    ("a pen beside a notebook and a pencil on a desk",
+     "'a pencil' after 'beside' and 'and' may be a second object of 'beside' or the subject"),
+    ("a blue mug next to a laptop and a red pen on top of a notebook",
+     "'on top of a notebook' may place it alone or every noun phrase before it"),
+    ("a bench near a lamp post and a tree with a bird", "(a list or a new clause?)"),
+    ("a sandcastle next to a blue bucket and a red spade on the sand",
+     "'a red spade' after 'next to' and 'and' may be a second object"),
     ("a cat on a sofa and a dog next to it", "'next to it' could name any of ['1 cat', '1 sofa']"),
     ("a cat next to them", "'next to them' names no noun phrase of two or more"),
     ("a cat and a dog on it", "'on it' names no noun phrase of one"),
@@ -351,9 +358,9 @@ def test_prompt_length_and_atom_limits():
 # of skis" as two skis (the later lists, and the parser: one "pair of skis"), and gives a relation
 # after a list only to the last listed noun phrase (the second and fourth lists, and the parser:
 # to each).
-# The second list files "wrinkled" under texture and "glowing" under state; the vocabulary has them
-# the other way round (state and texture). The third list reads "paper bag", "paper airplane",
-# "paper lantern" and "ice floe" as compounds (the parser: paper, ice as materials), writes one
+# The second list files "glowing" under state; the vocabulary (and the other lists) under texture.
+# The third list reads "paper bag" and "paper lantern" as compounds (the first and second lists,
+# and the parser: paper as a material), writes one
 # posture verb into its relation ("sitting on"; elsewhere it writes the relation alone, as the
 # parser reads it), drops the state "parked" after a list ("a red car and a blue car parked next
 # to a house"; elsewhere it keeps it), and reads one chain the other way from the 13 chains of the
@@ -364,11 +371,9 @@ def test_prompt_length_and_atom_limits():
 # The fourth list writes "X with Y rel it" as the one edge Y rel X; the fifth (and the sixth) also
 # the "with" edge, as the parser keeps every relation written ("a wooden table with four chairs
 # around it": table with chairs, chairs around table).
-# The sixth list's five: one label typo made while rewriting a duplicate ("a cracked egg to the
-# left of a whole egg" is labelled "next to"), and four "X rel A and B rel2 C" that its writer
-# marked as ambiguous and labelled as a list after "rel" (the parser reads a new clause, as 127
-# of the 128 such prompts of the first five lists are labelled; only an "on"/"in" place written
-# with a/an or a count, "on a beach", is refused).
+# The sixth list's one: a label typo made while rewriting a duplicate ("a cracked egg to the left
+# of a whole egg" is labelled "next to"). Its four "X next to A and B rel C" that the writer
+# labelled as a list after "next to" are refused since the seventh round (a list or a new clause?).
 # The fifth list's three were readings (all three are refused since the sixth round): it places the boat, not the water, next to the pier (the
 # chain rule places the noun phrase the later relation follows), files "bronze" under material
 # (the vocabulary: colour), and reads "a sandcastle next to a red bucket and a yellow shovel on a
@@ -385,10 +390,8 @@ LABEL_DIFFERENCES = {
                                     "two red apples and a yellow banana on top of a wooden table",
                                     "two potatoes and three tomatoes on top of a wooden board",
                                     "a red cup inside a glass box"],
-    "compositional_heldout2.jsonl": ["a wrinkled brown paper bag next to a shiny red apple",
-                                     "a glowing lantern above a sleeping dog and a wooden boat"],
+    "compositional_heldout2.jsonl": ["a glowing lantern above a sleeping dog and a wooden boat"],
     "compositional_heldout3.jsonl": ["a crumpled paper bag next to an apple",
-                                     "a paper airplane above a desk and below a ceiling fan",
                                      "two paper lanterns above a koi pond",
                                      "an old man sitting on a bench beside a lake",
                                      "a red car and a blue car parked next to a house",
@@ -397,12 +400,7 @@ LABEL_DIFFERENCES = {
                                      "a chessboard with two chess pieces on it",
                                      "a wooden table with four wooden chairs around it"],
     "compositional_heldout5.jsonl": [],
-    "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg",
-                                     ("a sandcastle next to a blue bucket and a red spade on the "
-                                      "sand"),
-                                     "a white cup beside a red plate and a green bowl under a lamp",
-                                     "a pen beside a notebook and a pencil on a desk",
-                                     "a bench near a lamp post and a tree with a bird"],
+    "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg"],
 }
 
 

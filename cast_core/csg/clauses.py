@@ -25,10 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 from cast_core.csg.vocab import ATTRIBUTE_KIND, POSTURE_VERBS, RELATION_FORMS, RELATION_PHRASES
 
 SEP = "sep"
+# Relations that hold both ways, after which "and" may add a second object ("a pen beside a notebook
+# and a pencil"): "X next to A and B rel C" may be a list after "next to" or a new clause.
+PROXIMITY = frozenset({"next to", "close to"})
 # Pronouns read as the object of a relation ("a table with a vase on it"); the parser resolves them.
 PRONOUNS = frozenset({"it", "them"})
 STATEMENT_ENDS = (";", ".")
@@ -43,6 +47,18 @@ class Relation:
     canonical: str
     form: str
     also: bool = False
+
+
+class Separator(str):
+    """A separator between two spans, equal to SEP; `comma` when it was written with a comma
+    (", " or ", and"), which closes a list of two ("a cat next to a dog, and a bird on a branch")."""
+
+    comma: bool
+
+    def __new__(cls, comma: bool) -> Self:
+        separator = super().__new__(cls, SEP)
+        separator.comma = comma
+        return separator
 
 
 Statement = tuple[list[list[str]], list["str | Relation"]]
@@ -111,8 +127,8 @@ def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation
             spans[-1].append("and")
             i += 1
         elif tokens[i] in (",", "and"):
+            ops.append(Separator(comma=tokens[i] == ","))
             i += 2 if tokens[i] == "," and tokens[i + 1:i + 2] == ["and"] else 1
-            ops.append(SEP)
             spans.append([])
         elif form:
             i += len(form)
@@ -221,6 +237,27 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
         relation, run = op, [k + 1]
         edges += [(s, op.canonical, k + 1) for s in subjects]
     return edges
+
+
+def open_joins(spans: list[list[str]], ops: list[str | Relation]) -> list[int]:
+    """Indices k of the relations in "X next to A and B rel C" (a relation that holds both ways,
+    one object, a bare "and", a noun phrase B, then relation k with another relation than the
+    first): B may be a second object of "next to" ("a pen beside a notebook and a pencil") or the
+    subject of a new clause, and "rel C" may place B alone or all of them. The parser refuses
+    those whose C is a noun phrase not written before ("a pen beside a notebook and a pencil on a
+    desk"); a comma before "and", the same relation twice ("a man near a horse and a dog near a
+    cow"), or a C written before ("a glass beside a plate and a cookie on the plate") reads as a
+    new clause."""
+    joins = []
+    for k in range(2, len(ops)):
+        first, separator, second = ops[k - 2], ops[k - 1], ops[k]
+        if not (isinstance(first, Relation) and isinstance(second, Relation)):
+            continue
+        bare = isinstance(separator, Separator) and not separator.comma
+        if (bare and first.canonical in PROXIMITY and not second.also
+                and second.canonical != first.canonical):
+            joins.append(k)
+    return joins
 
 
 def _next_subjects(k: int, op: Relation, previous: Relation | None, run: list[int]) -> list[int]:

@@ -34,7 +34,10 @@ Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on 
 dog": the girl's or the bench's?), a chain whose first relation is "in" ("a girl in a yellow
 raincoat next to a red umbrella": "in" may mean wearing), "between" followed by a list ("between
 a tree and a lamp": one relation of three noun phrases, which an edge cannot state), an attribute
-inside an "of" phrase ("a cup of green tea"), and a new clause after two or more objects. ATTRIBUTE words come
+inside an "of" phrase ("a cup of green tea"), a new clause after two or more objects, and "X next
+to A and B rel C" with C not written before ("a pen beside a notebook and a pencil on a desk": is
+the pencil a second object of "beside"? a comma before "and", "X next to A, and B rel C", or the
+same relation twice makes it a new clause). ATTRIBUTE words come
 from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
 "dark", "navy"... + colour is one colour, and so are two colours joined by "and", "black and
 white"); a node's attributes are kept in `ATTRIBUTE_KINDS`
@@ -74,6 +77,7 @@ from cast_core.csg.clauses import (
     Relation,
     clause_edges,
     is_predication,
+    open_joins,
     split_statements,
 )
 from cast_core.csg.graph import RELATIONS, SceneGraph, validate_graph
@@ -234,6 +238,7 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         else:
             phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0))
             index.append(len(phrases) - 1)
+    _check_open_joins(spans, ops, index, prompt)
     if not local and all(span[:1] == ["the"] for span in spans):
         raise _fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
                             "noun phrases written before it and says nothing about them")
@@ -248,6 +253,23 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
             raise _fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
                                 f"lamp between two chairs'), not {' '.join(spans[j])!r}; {_LLM}")
     return [(index[i], relation, index[j]) for i, relation, j in local]
+
+
+def _check_open_joins(spans: list[list[str]], ops: list[str | Relation], index: list[int],
+                      prompt: str) -> None:
+    """Refuse "X next to A and B rel C" whose C is not written before ("a pen beside a notebook
+    and a pencil on a desk": is the pencil a second object of "beside", and is only the pencil on
+    the desk?); see `open_joins`."""
+    for k in open_joins(spans, ops):
+        if index[k + 1] in index[:k + 1]:
+            continue
+        first, second = ops[k - 2], ops[k]
+        b, c = " ".join(spans[k]), " ".join(spans[k + 1])
+        raise _fail(prompt, f"{b!r} after {first.form!r} and 'and' may be a second object of "
+                            f"{first.form!r} or the subject of a new clause, and "
+                            f"'{second.form} {c}' may place it alone or every noun phrase before "
+                            f"it (a list or a new clause?); write a comma before 'and' for a new "
+                            f"clause ('..., and {b} {second.form} {c}'), or {_LLM}")
 
 
 def _pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], prompt: str,
