@@ -14,11 +14,13 @@ that raise are those of the parser's docstring: a relation takes the list after 
 "and" + relation keeps the subject; a phrase after the first object that is followed by a relation
 starts a new clause; a list before the first relation gives each listed noun phrase the relation
 ("a cat and a dog on a sofa": both are on it); in a chain ("A on B next to C") the second relation
-places the noun phrase it follows (B), or after "with" the subject (A); a chain whose later
-relation is "with" ("a girl on a bench with a dog") or whose first relation is "in" ("a girl in a
-yellow raincoat next to a red umbrella": wearing or containment?), "with" after a list ("a cat and
-a dog with a collar": whose?), "between" followed by a list,
-and a new clause after two or more objects raise ValueError saying why.
+places the noun phrase it follows (B), or the subject (A) after "with" and after "in" a garment
+("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
+the container ("a cat in a basket on a sofa"). A chain whose later relation is "with" ("a girl on
+a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
+woman with a dog": the dog is the woman's), or whose first relation is "in" something neither a
+garment nor a container, "with" after a list ("a cat and a dog with a collar": whose?), "between"
+followed by a list, and a new clause after two or more objects raise ValueError saying why.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
-from cast_core.csg.vocab import ATTRIBUTE_KIND, POSTURE_VERBS, RELATION_FORMS, RELATION_PHRASES
+from cast_core.csg.vocab import (
+    ATTRIBUTE_KIND,
+    CONTAINERS,
+    GARMENTS,
+    POSTURE_VERBS,
+    RELATION_FORMS,
+    RELATION_PHRASES,
+    singularize,
+)
 
 SEP = "sep"
 # Relations that hold both ways, after which "and" may add a second object ("a pen beside a notebook
@@ -196,30 +206,7 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
         if op.also and relation is None:
             raise ValueError(f"'and {op.form}' needs a relation before it to share its subject")
         if not op.also and relation is not None and k == run[0]:
-            # A chain "A rel B rel2 C": rel2 places B (the noun phrase it follows), except after
-            # "with", whose object belongs to A ("a girl with a kite next to a tree": the girl).
-            if op.canonical == "with":
-                raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
-                                 "noun phrase it belongs to (the first one or the one right "
-                                 "before it) is ambiguous")
-            if relation.form == "in":
-                raise ValueError(f"a chain starts with 'in' and goes on with {op.form!r}: 'in' "
-                                 "may mean wearing ('a girl in a yellow raincoat next to a red "
-                                 "umbrella': the girl is next to it) or containment ('a cat in "
-                                 "a basket on a sofa': the basket is on it), so which noun "
-                                 f"phrase {op.form!r} places is ambiguous; write one clause per "
-                                 "relation ('a girl in a yellow raincoat and next to a red "
-                                 "umbrella')")
-            if relation.canonical != "with" and setting(spans[k]):
-                raise ValueError(f"a chain goes through {' '.join(spans[k])!r}, a ground or "
-                                 f"scene, and on with {op.form!r}: it may place "
-                                 f"{' '.join(spans[k])!r} or the noun phrase before it ('a boat "
-                                 "on the water next to a pier': the boat is next to it); write "
-                                 f"one clause per relation ('... and {op.form} ...')")
-            # after "with", a pronoun object names the subject: "a table with a vase on it" is
-            # the vase on the table
-            pronoun = spans[k + 1] in (["it"], ["them"])
-            subjects = subjects if relation.canonical == "with" and not pronoun else [k]
+            subjects = _chain_subjects(spans, k, op, relation, subjects, edges, setting)
         elif not op.also:
             before = subjects
             subjects = _next_subjects(k, op, relation, run)
@@ -237,6 +224,51 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
         relation, run = op, [k + 1]
         edges += [(s, op.canonical, k + 1) for s in subjects]
     return edges
+
+
+def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Relation,
+                    subjects: list[int], edges: list[tuple[int, str, int]],
+                    setting: Callable[[list[str]], bool]) -> list[int]:
+    """The subjects of `op` in a chain "A rel B op C" (B is span k): B, the noun phrase it follows
+    ("a book on a table next to a lamp": the table), or A after "with" ("a girl with a kite next
+    to a tree": the girl) and after "in" a garment (wearing: "a girl in a raincoat next to a tree").
+    ValueError where the lists read it both ways."""
+    if op.canonical == "with":
+        if not any(s in subjects and rel == "with" for s, rel, _ in edges):
+            raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
+                             "noun phrase it belongs to (the first one or the one right before "
+                             "it) is ambiguous; only 'A with B rel C with D' reads D as C's")
+        return [k]
+    worn = relation.form == "in" and _in_reading(spans[k]) == "wearing"
+    if relation.form == "in" and not worn and _in_reading(spans[k]) is None \
+            and not setting(spans[k]):
+        raise ValueError(f"a chain starts with 'in' and goes on with {op.form!r}: 'in' may mean "
+                         "wearing ('a girl in a yellow raincoat next to a red umbrella': the girl "
+                         "is next to it) or containment ('a cat in a basket on a sofa': the basket "
+                         f"is on it), and {' '.join(spans[k])!r} is neither a garment nor a "
+                         "container the vocabulary lists (`garments`, `containers`), so which noun "
+                         f"phrase {op.form!r} places is ambiguous; write one clause per relation ('a "
+                         "girl in a yellow raincoat and next to a red umbrella')")
+    if relation.canonical != "with" and not worn and setting(spans[k]):
+        raise ValueError(f"a chain goes through {' '.join(spans[k])!r}, a ground or scene, and "
+                         f"on with {op.form!r}: it may place {' '.join(spans[k])!r} or the noun "
+                         "phrase before it ('a boat on the water next to a pier': the boat is "
+                         f"next to it); write one clause per relation ('... and {op.form} ...')")
+    # after "with", a pronoun object names the subject: "a table with a vase on it" is the vase
+    # on the table
+    pronoun = spans[k + 1] in (["it"], ["them"])
+    keeps = relation.canonical == "with" and not pronoun or worn
+    return subjects if keeps else [k]
+
+
+def _in_reading(span: list[str]) -> str | None:
+    """"wearing" when the noun phrase after "in" is a garment ("a yellow raincoat"),
+    "containment" when it is a container ("a wicker basket", "a fish tank"), else None."""
+    words = span[:span.index("of")] if "of" in span else span
+    head = singularize(words[-1]) if words else ""
+    if head in GARMENTS:
+        return "wearing"
+    return "containment" if head in CONTAINERS else None
 
 
 def open_joins(spans: list[list[str]], ops: list[str | Relation]) -> list[int]:

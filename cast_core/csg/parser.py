@@ -21,7 +21,10 @@ first object that is itself followed by a relation starts a new clause ("a cat l
 bird above a tree": the bird is above the tree). A list before the first relation gives each
 listed noun phrase the relation ("a cat and a dog on a sofa": both are on it). In a chain ("a book on a table next to a lamp")
 the later relation places the noun phrase it follows (the table), except after "with", whose object
-belongs to the subject ("a girl with a kite next to a tree": the girl). "between" takes one noun
+belongs to the subject ("a girl with a kite next to a tree": the girl), and after "in" a garment
+(`garments` in the vocabulary: "a girl in a yellow raincoat next to a tree": the girl); after "in"
+a container (`containers`: "a cat in a basket on a sofa") it places the container. "with" later in
+a chain belongs to the noun phrase before it only in "A with B rel C with D". "between" takes one noun
 phrase of two or more ("a lamp between two chairs"). A separator before "the ... is|are" also starts a
 statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun that no earlier noun
 phrase has is a new noun phrase of one after a relation ("a cat under the bed") and as the subject
@@ -31,8 +34,8 @@ other" (near, close to) is one edge from A to B. Back-references and predication
 adds attributes to it, or relates it).
 
 Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on a bench with a
-dog": the girl's or the bench's?), a chain whose first relation is "in" ("a girl in a yellow
-raincoat next to a red umbrella": "in" may mean wearing), "between" followed by a list ("between
+dog": the girl's or the bench's?), a chain whose first relation is "in" something neither a
+garment nor a container ("a squirrel in a tree next to a house"), "between" followed by a list ("between
 a tree and a lamp": one relation of three noun phrases, which an edge cannot state), an attribute
 inside an "of" phrase ("a cup of green tea"), a new clause after two or more objects, and "X next
 to A and B rel C" with C not written before ("a pen beside a notebook and a pencil on a desk": is

@@ -45,6 +45,10 @@ AMBIGUOUS_KIND_WORDS = MappingProxyType({w: tuple(k) for w, k in _DATA["ambiguou
 # last, and one in the middle of a chain ("a boat on the water next to a pier") may be where the
 # subject is rather than what the later relation places; both are refused.
 SETTINGS: frozenset[str] = frozenset(_DATA["settings"])
+# After "in" in a chain: a garment means wearing ("a girl in a yellow raincoat next to a tree": the
+# girl is next to it), a container containment ("a cat in a basket on a sofa": the basket is on it).
+GARMENTS: frozenset[str] = frozenset(_DATA["garments"])
+CONTAINERS: frozenset[str] = frozenset(_DATA["containers"])
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
 POSTURE_VERBS: frozenset[str] = frozenset(_DATA["posture_verbs"])
 VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS
