@@ -449,7 +449,7 @@ def _merge(first: tuple[tuple[str, str], ...],
 
 def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> None:
     allowed = {i for i, w in enumerate(rest) if w == "and" and _joins_colors(rest, i)}
-    allowed |= {_of_at(rest)}
+    allowed |= {_of_at(rest)} | _compound_ending(rest)
     bad = [w for i, w in enumerate(rest)
            if i not in allowed and (not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS)]
     if not rest:
@@ -460,6 +460,15 @@ def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> Non
         raise _fail(prompt, (f"{construct}; " if construct else "")
                     + f"noun {' '.join(rest)!r} in {text!r} has words that are not part of a "
                       f"noun: {bad}; {_LLM}")
+
+
+def _compound_ending(rest: list[str]) -> set[int]:
+    """Indices of the words of a listed compound noun that ends the noun phrase ("front door",
+    whose "front" is otherwise part of "in front of")."""
+    for j in range(len(rest) - 1):
+        if singularize(" ".join(rest[j:])) in COMPOUND_NOUNS:
+            return set(range(j, len(rest)))
+    return set()
 
 
 def _check_ambiguous(rest: list[str], text: str, prompt: str,
@@ -567,6 +576,8 @@ def _attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
         word, after = words[i], words[i + 1] if i + 1 < len(words) else None
         if word in COLOR_MODIFIERS and after is not None and ATTRIBUTE_KIND.get(after) == "color":
             kind, value, i = "color", f"{word} {after}", i + 2
+        elif _hyphenated_colors(word):
+            kind, value, i = "color", word.replace("-", " "), i + 1
         elif word in ATTRIBUTE_KIND:
             kind, value, i = ATTRIBUTE_KIND[word], word, i + 1
         else:
@@ -577,6 +588,13 @@ def _attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
             return None
         found[kind] = value
     return tuple((k, found[k]) for k in ATTRIBUTE_KINDS if k in found)
+
+
+def _hyphenated_colors(word: str) -> bool:
+    """Whether a word is two colours joined by "-and-" ("red-and-white"): one colour, as "red and
+    white"."""
+    parts = word.split("-and-")
+    return len(parts) == 2 and all(ATTRIBUTE_KIND.get(p) == "color" for p in parts)
 
 
 def _construct(words: list[str]) -> str | None:
@@ -630,7 +648,8 @@ def _no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None,
     for i, (word, after) in enumerate(zip(before, [*before[1:], head])):
         if word == "and" and _joins_colors(rest, i):
             continue
-        colored = word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
+        colored = (word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
+                   or _hyphenated_colors(word))
         kind = ATTRIBUTE_KIND.get(word, "color" if colored else None)
         if kind is None:
             unknown.append(word)

@@ -76,10 +76,10 @@ RELATION_PHRASES = MappingProxyType({
     "below": "below", "under": "below", "underneath": "below", "beneath": "below",
     "in front of": "in front of", "behind": "behind",
     "on top of": "on top of", "atop": "on top of",
-    "next to": "next to", "beside": "next to",
+    "next to": "next to", "beside": "next to", "by": "next to",
     "near": "close to", "close to": "close to",
     "with": "with", "on": "on", "in": "in", "inside": "in", "around": "around",
-    "between": "between", "against": "against",
+    "between": "between", "in between": "between", "against": "against",
 })
 RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
     (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))
