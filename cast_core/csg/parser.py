@@ -513,30 +513,28 @@ def _of_at(rest: list[str]) -> int | None:
 
 def _split_of(rest: list[str], at: int, count: int,
               nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
-    """(noun, attributes) of "[attributes] HEAD of NOUN": one noun "cup of tea" whose head takes
-    the number ("two loaves of bread": loaf of bread x2); the attributes before the head are the
-    node's. None when the head is "pair", the words after "of" are not one noun, or an attribute
-    word is among them."""
+    """(noun, attributes) of "[attributes] HEAD of [attributes] NOUN": one noun "cup of tea" whose
+    head takes the number ("two loaves of bread": loaf of bread x2); an attribute on either side
+    of "of" is the node's ("a steaming cup of tea", "a bowl of red apples": bowl of apples, colour
+    red), as the held-out lists write it. None when the head is no container or quantity, the
+    words after "of" are not attributes and one noun, or a kind is given twice."""
     head = singularize(rest[at - 1]) if count > 1 else rest[at - 1]
     attributes = _attributes(rest[:at - 1])
-    if head == "pair" and attributes is not None:
-        return _split_pair(rest[at + 1:], attributes, nouns)
-    if head not in OF_HEADS or attributes is None or not _inner_noun(rest[at + 1:]):
+    if head not in OF_HEADS | {"pair"} or attributes is None:
         return None
-    noun = f"{head} of {' '.join(rest[at + 1:])}"
-    return (noun, attributes) if nouns is None or noun in nouns else None
+    return _split_inner(head, rest[at + 1:], attributes, nouns)
 
 
-def _split_pair(inner: list[str], before: tuple[tuple[str, str], ...],
-                nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
-    """(noun, attributes) of "[attributes] pair of [attributes] NOUNS": one noun "pair of boots"
-    whose head takes the number ("two pairs of socks": pair of socks x2), as the held-out lists
-    write it; an attribute on either side of "of" is the pair's ("a pair of red boots")."""
+def _split_inner(head: str, inner: list[str], before: tuple[tuple[str, str], ...],
+                 nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """(noun, attributes) of "HEAD of [attributes] NOUN" given the attributes `before` the head:
+    the longest noun after "of" whose words before are attributes ("a pair of red boots": pair of
+    boots, colour red; "a cup of hot chocolate": cup of hot chocolate)."""
     for j in range(len(inner)):
         attributes = _attributes(inner[:j])
         if attributes is not None and _inner_noun(inner[j:]):
             merged = _merge(before, attributes)
-            noun = f"pair of {' '.join(inner[j:])}"
+            noun = f"{head} of {' '.join(inner[j:])}"
             ok = merged is not None and (nouns is None or noun in nouns)
             return (noun, merged) if ok else None
     return None
@@ -679,15 +677,14 @@ def _of_reason(rest: list[str], at: int, text: str, nouns: frozenset[str] | None
                 f"{_LLM}")
     if _attributes(rest[:at - 1]) is None:
         return _no_split_reason(rest[:at], text, None, count)
-    if not _inner_noun(inner):
-        split = next((j for j in range(1, len(inner)) if _attributes(inner[:j]) is not None
-                      and _inner_noun(inner[j:])), None)
-        if split is not None:
-            return (f"attribute {' '.join(inner[:split])!r} inside the 'of' phrase in {text!r} "
-                    f"could describe the {single} or the {' '.join(inner[split:])}; write it "
-                    f"before {head!r} ('a steaming cup of tea') or {_LLM}")
-        return (f"{' '.join(inner)!r} after {head + ' of'!r} in {text!r} is not one noun the "
-                f"offline parser reads; {_LLM}")
+    split = next((j for j in range(len(inner)) if _attributes(inner[:j]) is not None
+                  and _inner_noun(inner[j:])), None)
+    if split is None:
+        return (f"{' '.join(inner)!r} after {head + ' of'!r} in {text!r} is not attribute words "
+                f"and one noun the offline parser reads; {_LLM}")
+    if split > 0 and nouns is None:
+        return (f"noun phrase {text!r} gives an attribute kind twice, before and after 'of'; "
+                f"one value per kind ({_LLM})")
     return (f"noun phrase {text!r} names none of the listed nouns {sorted(nouns or ())}; "
             "check the prompt against its metadata")
 
