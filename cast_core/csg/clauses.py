@@ -47,6 +47,16 @@ PROXIMITY = frozenset({"next to", "close to"})
 PRONOUNS = frozenset({"it", "them"})
 STATEMENT_ENDS = (";", ".")
 PREDICATE_VERBS = frozenset({"is", "are"})
+# A pronoun and its verb (and a quantifier) opening a predication: "it is red", "they are both
+# brown", "each of them empty"; the parser resolves the pronoun (`cast_core.csg.references`).
+PRONOUN_SUBJECTS: dict[tuple[str, ...], tuple[str, str | None]] = {
+    ("it", "is"): ("it", None), ("they", "are"): ("they", None),
+    **{form: ("they", q) for q in ("both", "all")
+       for form in (("they", "are", q), ("they", q, "are"), (q, "are"), (q, "of", "them"),
+                    (q, "of", "them", "are"))},
+    **{form: ("they", "each") for form in (("each", "of", "them"), ("each", "of", "them", "is"),
+                                           ("each", "of", "them", "are"), ("each", "is"))},
+}
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,20 @@ def is_predication(span: list[str]) -> bool:
     return span[:1] == ["the"] and any(w in PREDICATE_VERBS for w in span)
 
 
+def pronoun_subject(span: list[str]) -> tuple[int, str, str | None] | None:
+    """(words it takes, pronoun "it" or "they", quantifier "both", "all", "each" or None) of a span
+    that opens with a pronoun predication ("they are both brown": 3, "they", "both"); None when
+    it does not."""
+    for form in sorted(PRONOUN_SUBJECTS, key=len, reverse=True):
+        if tuple(span[:len(form)]) == form:
+            return (len(form), *PRONOUN_SUBJECTS[form])
+    return None
+
+
 def _cut_before_predications(spans: list[list[str]],
                              ops: list[str | Relation]) -> list[Statement]:
-    cuts = [k for k, op in enumerate(ops) if op == SEP and is_predication(spans[k + 1])]
+    cuts = [k for k, op in enumerate(ops) if op == SEP and (is_predication(spans[k + 1])
+                                                              or pronoun_subject(spans[k + 1]))]
     statements, start = [], 0
     for k in cuts:
         statements.append((spans[start:k + 1], ops[start:k]))

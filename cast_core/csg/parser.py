@@ -81,6 +81,7 @@ from cast_core.csg.clauses import (
     clause_edges,
     is_predication,
     open_joins,
+    pronoun_subject,
     split_statements,
 )
 from cast_core.csg.graph import RELATIONS, SceneGraph, validate_graph
@@ -91,7 +92,13 @@ from cast_core.csg.questions import (
     object_node,
     relation_edge,
 )
-from cast_core.csg.references import Reading, antecedent, unnamed, with_attributes
+from cast_core.csg.references import (
+    Reading,
+    antecedent,
+    pronoun_targets,
+    unnamed,
+    with_attributes,
+)
 from cast_core.csg.vocab import (
     ALSO_NOUNS,
     AMBIGUOUS_COMPOUND_NOUNS,
@@ -200,15 +207,19 @@ def parse_prompt(prompt: str, tag: str | None = None,
         raise _fail(prompt, f"{err}; {_LLM}") from err
     phrases: list[NounPhrase] = []
     edges: list[tuple[int, str, int]] = []
+    groups: list[tuple[int, ...]] = []  # lists of noun phrases, which "they" may name
     opening = True  # no noun phrase written with a/an or a count yet
     for n, (spans, ops) in enumerate(statements):
+        if pronoun_subject(spans[0]) is not None:
+            _pronoun_predicate(spans, ops, phrases, groups, prompt)
+            continue
         relates = spans[0][-1:] in (["is"], ["are"]) and ops and isinstance(ops[0], Relation)
         if is_predication(spans[0]) and not relates:
             _predicate(spans, ops, phrases, prompt, listed, opening)
             continue
         spans = [spans[0][:-1], *spans[1:]] if relates else spans
         edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
-                         opening and bool(relates))
+                         opening and bool(relates), groups)
         opening = opening and all(span[:1] in (["the"], ["each"]) for span in spans)
     repeated = sorted({e for e in edges if edges.count(e) > 1})
     if repeated:
@@ -219,17 +230,20 @@ def parse_prompt(prompt: str, tag: str | None = None,
 
 def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
             prompt: str, nouns: frozenset[str] | None, first: bool,
-            opening: bool = False) -> list[tuple[int, str, int]]:
+            opening: bool = False,
+            groups: list[tuple[int, ...]] | None = None) -> list[tuple[int, str, int]]:
     """Edges of one statement between indices of `phrases`, to which its new noun phrases are
     appended (a span "the ..." is a reference to one already there, or a new noun phrase of one
-    after a relation, and as the subject of an `opening` predication, when none has its noun)."""
+    after a relation, and as the subject of an `opening` predication, when none has its noun).
+    Its lists of noun phrases are appended to `groups`."""
     try:
         local = clause_edges(spans, ops, _is_setting)
     except ValueError as err:
         construct = next(filter(None, (_construct(span) for span in spans)), None)
         raise _fail(prompt, (f"{construct}; " if construct else "") + f"{err}; {_LLM}") from err
-    local = _each_other(spans, ops, prompt) or local
-    spans = spans[:-1] if spans[-1] == ["each", "other"] else spans
+    each_other = _each_other(spans, ops, prompt)
+    local = each_other or local
+    spans = spans[:-1] if each_other else spans
     roles, index = _roles(ops), []
     for i, span in enumerate(spans):
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
@@ -245,6 +259,15 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     if not local and all(span[:1] == ["the"] for span in spans):
         raise _fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
                             "noun phrases written before it and says nothing about them")
+    _check_edges(local, spans, index, phrases, prompt)
+    edges = [(index[i], relation, index[j]) for i, relation, j in local]
+    if groups is not None:
+        groups += _lists(edges, index, bool(each_other))
+    return edges
+
+
+def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], index: list[int],
+                 phrases: list[NounPhrase], prompt: str) -> None:
     for i, relation, j in local:
         if index[i] == index[j]:
             raise _fail(prompt, f"it relates {' '.join(spans[i])!r} to "
@@ -255,7 +278,22 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         if relation == "between" and phrases[index[j]].count < 2:
             raise _fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
                                 f"lamp between two chairs'), not {' '.join(spans[j])!r}; {_LLM}")
-    return [(index[i], relation, index[j]) for i, relation, j in local]
+
+
+def _lists(edges: list[tuple[int, str, int]], index: list[int],
+           each_other: bool) -> list[tuple[int, ...]]:
+    """The lists of two or more noun phrases a statement writes, which "they" may name: a bare
+    list ("a dog and a cat"), the subjects of one relation ("a dog and a cat on a rug"), the
+    objects of one ("a cat next to a dog and a bird"), and "A and B next to each other"."""
+    if not edges or each_other:
+        return [tuple(dict.fromkeys(index))] if len(set(index)) > 1 else []
+    objects: dict[tuple[int, str], set[int]] = {}
+    subjects: dict[tuple[str, int], set[int]] = {}
+    for i, relation, j in edges:
+        objects.setdefault((i, relation), set()).add(j)
+        subjects.setdefault((relation, j), set()).add(i)
+    found = {tuple(sorted(g)) for g in [*objects.values(), *subjects.values()] if len(g) > 1}
+    return sorted(found)
 
 
 def _check_open_joins(spans: list[list[str]], ops: list[str | Relation], index: list[int],
@@ -332,6 +370,38 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
         raise _fail(prompt, f"after {said!r} comes either attribute words ('the cup is red and "
                             f"shiny') or one relation ('the cup is next to a plate'); {_LLM}")
     words = spans[0][at + 1:] + [w for span in spans[1:] for w in span]
+    attributes = _predicate_attributes(words, verb, said, prompt)
+    try:
+        phrases[i] = with_attributes(phrases[i], attributes, " ".join(subject), ATTRIBUTE_KINDS)
+    except ValueError as err:
+        raise _fail(prompt, str(err)) from err
+
+
+def _pronoun_predicate(spans: list[list[str]], ops: list[str | Relation],
+                       phrases: list[NounPhrase], groups: list[tuple[int, ...]],
+                       prompt: str) -> None:
+    """Apply "it is red", "they are both brown", "each of them empty" to the noun phrases the
+    pronoun names (`cast_core.csg.references.pronoun_targets`), in place."""
+    at, pronoun, quantifier = pronoun_subject(spans[0])
+    said = " ".join(spans[0][:at])
+    if any(isinstance(op, Relation) for op in ops) or not all(spans[1:]):
+        raise _fail(prompt, f"after {said!r} come only attribute words ('they are red and "
+                            f"shiny'); for a relation name the noun phrase ('the cups are on a "
+                            f"tray') or {_LLM}")
+    words = spans[0][at:] + [w for span in spans[1:] for w in span]
+    attributes = _predicate_attributes(words, spans[0][at - 1], said, prompt)
+    try:
+        targets = pronoun_targets(pronoun, quantifier, phrases, groups)
+        for i in targets:
+            phrases[i] = with_attributes(phrases[i], attributes, said, ATTRIBUTE_KINDS)
+    except ValueError as err:
+        raise _fail(prompt, f"{err}; {_LLM}") from err
+
+
+def _predicate_attributes(words: list[str], verb: str, said: str,
+                          prompt: str) -> tuple[tuple[str, str], ...]:
+    """The attributes a predication gives ("red and shiny", "made of wood"), or an error naming
+    the words that are not."""
     made = _made_of(words)
     if made is not None:
         rest = _attributes(made[0]) if made[0] else ()
@@ -346,10 +416,7 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
                                "attribute kind twice or nothing")
         raise _fail(prompt, f"{reason}; {_LLM}")
     _check_kind_words(attributes, said, prompt)
-    try:
-        phrases[i] = with_attributes(phrases[i], attributes, " ".join(subject), ATTRIBUTE_KINDS)
-    except ValueError as err:
-        raise _fail(prompt, str(err)) from err
+    return attributes
 
 
 def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
