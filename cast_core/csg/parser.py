@@ -110,6 +110,7 @@ from cast_core.csg.vocab import (
     COMPOUND_NOUNS,
     MATERIAL_SUBSTANCE,
     OF_HEADS,
+    PARTS,
     RELATION_PHRASES,
     SETTINGS,
     UNSUPPORTED_RELATIONS,
@@ -158,6 +159,9 @@ _WORD = re.compile(r"[a-z][a-z'-]*")
 # What may follow "made of": a material word or the substance it names ("made of wood", "made of
 # gold"); the value is kept as written.
 _MATERIAL_WORDS = frozenset(MATERIAL_SUBSTANCE) | frozenset(MATERIAL_SUBSTANCE.values())
+# Possessive determiners, read as a/an (or before a count) as the lists write them: "a dog with its
+# red ball" is a dog with a ball, "a girl and her dog" a girl and a dog.
+POSSESSIVES = frozenset({"its", "his", "her", "their"})
 _LLM = "use the LLM builder (builder.kind = 'llm-chat' or 'llm-local') for prompts like this"
 
 
@@ -245,6 +249,7 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     local = each_other or local
     spans = spans[:-1] if each_other else spans
     roles, index = _roles(ops), []
+    spans = [_owner(span, prompt) for span in spans]
     for i, span in enumerate(spans):
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
             subjects = {index[s] for s, _, j in local if j == i and s < i}
@@ -462,13 +467,16 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
     if len(words) < 2 or "" in words:
         raise _fail(prompt, f"noun phrase {text!r}{role} must be '(a|an|number) [attributes] "
                             "noun'")
-    if words[0] not in COUNT_WORDS:
+    if words[0] in POSSESSIVES:
+        count, rest = _possessed(words, text, prompt)
+    elif words[0] not in COUNT_WORDS:
         start = ("it must start with 'a photo of ' or with a noun phrase: a/an or a count "
                  "one..ten (or 1..10)" if first else
                  f"noun phrase {text!r}{role} must start with a/an or a count one..ten "
                  "(or 1..10)")
         raise _fail(prompt, f"{start}, not {words[0]!r}")
-    count, rest = COUNT_WORDS[words[0]], words[1:]
+    else:
+        count, rest = COUNT_WORDS[words[0]], words[1:]
     made = _made_of(rest) if rest[-3:-1] == ["made", "of"] else None
     rest = made[0] if made else rest
     _check_noun_words(rest, text, prompt, role)
@@ -482,6 +490,39 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
         raise _fail(prompt, f"noun phrase {text!r} gives its material twice (before the noun and "
                             f"after 'made of'); one value per kind ({_LLM})")
     return NounPhrase(split[0], count, attributes)
+
+
+def _possessed(words: list[str], text: str, prompt: str) -> tuple[int, list[str]]:
+    """(count, words after it) of "its|his|her|their [count] ...": one, or the count written
+    ("their two puppies"). A part ("its roof": of which noun phrase?) and a plural without a
+    count ("her dogs") are refused."""
+    if words[1] in COUNT_WORDS and words[1] not in ("a", "an"):
+        count, rest = COUNT_WORDS[words[1]], words[2:]
+    else:
+        count, rest = 1, words[1:]
+    last = rest[-1] if rest else ""
+    if singularize(last) in PARTS:
+        raise _fail(prompt, f"{text!r} names a part ({last!r}) of a noun phrase written before, "
+                            f"which the offline parser does not place; {_LLM}")
+    if count == 1 and singularize(last) != last:
+        raise _fail(prompt, f"{text!r} says no count for a plural noun; write one ('her two "
+                            f"dogs') or {_LLM}")
+    return count, rest
+
+
+def _owner(span: list[str], prompt: str) -> list[str]:
+    """A noun phrase "a horse's back" names its owner, "a horse" ("a bird on a horse's back" is
+    on the horse, as the lists write it); any other "X's Y" ("a horse's saddle": is the horse in
+    the picture?) is refused."""
+    at = next((i for i, w in enumerate(span) if w.endswith("'s")), None)
+    if at is None:
+        return span
+    after = span[at + 1:]
+    if len(after) == 1 and singularize(after[0]) in PARTS:
+        return [*span[:at], span[at][:-2]]
+    raise _fail(prompt, f"possessive {' '.join(span[at:])!r} in {' '.join(span)!r}: the offline "
+                        f"parser reads 'X's' only before a part ('on a horse's back': on the "
+                        f"horse), not whether the owner is in the picture; {_LLM}")
 
 
 def _made_of(words: list[str]) -> tuple[list[str], tuple[tuple[str, str], ...]] | None:

@@ -49,6 +49,8 @@ SETTINGS: frozenset[str] = frozenset(_DATA["settings"])
 # girl is next to it), a container containment ("a cat in a basket on a sofa": the basket is on it).
 GARMENTS: frozenset[str] = frozenset(_DATA["garments"])
 CONTAINERS: frozenset[str] = frozenset(_DATA["containers"])
+# Parts of a thing or a body: "on a horse's back" is on the horse; "on its roof" (whose?) is refused.
+PARTS: frozenset[str] = frozenset(_DATA["parts"])
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
 POSTURE_VERBS: frozenset[str] = frozenset(_DATA["posture_verbs"])
 VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS
