@@ -230,7 +230,7 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
             subjects = _chain_subjects(spans, k, op, relation, subjects, edges, setting)
         elif not op.also:
             before = subjects
-            subjects = _next_subjects(k, op, relation, run)
+            subjects = _next_subjects(k, op, relation, run, ops)
             if relation is not None:
                 if (op.canonical in ("on", "in") and spans[k + 1][:1] != ["the"]
                         and setting(spans[k + 1])):
@@ -313,17 +313,22 @@ def open_joins(spans: list[list[str]], ops: list[str | Relation]) -> list[int]:
     return joins
 
 
-def _next_subjects(k: int, op: Relation, previous: Relation | None, run: list[int]) -> list[int]:
+def _next_subjects(k: int, op: Relation, previous: Relation | None, run: list[int],
+                   ops: list[str | Relation]) -> list[int]:
     """The subjects of relation `op` written right after span k (see the module docstring): every
     noun phrase of a list before the first relation ("a cat and a dog on a sofa": both are on
-    it), else the noun phrase before it."""
+    it), else the noun phrase before it, which starts a new clause; after a list of objects only
+    where a comma follows the list's "and" ("a lamp next to a bed and a desk, a chair in front of
+    the desk")."""
     if previous is None and len(run) > 1 and op.canonical == "with":
         raise ValueError("'with' follows a list of noun phrases ('a cat and a dog with a red "
                          "collar'): does each have it, or only the last? write one clause per "
                          "noun phrase")
     if previous is None:
         return list(run)
-    if len(run) > 2:
+    closed = (isinstance(ops[k - 1], Separator) and ops[k - 1].comma
+              and isinstance(ops[k - 2], Separator) and not ops[k - 2].comma)
+    if len(run) > 2 and not closed:
         raise ValueError(f"the relation {op.form!r} follows a list of objects of "
                          f"{previous.form!r}, which is ambiguous (does it place only the last?)")
     return [k]

@@ -108,6 +108,7 @@ from cast_core.csg.vocab import (
     CLAUSE_WORDS,
     COLOR_MODIFIERS,
     COMPOUND_NOUNS,
+    MASS_NOUNS,
     MATERIAL_SUBSTANCE,
     OF_HEADS,
     PARTS,
@@ -158,7 +159,8 @@ _RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "
 _WORD = re.compile(r"[a-z][a-z'-]*")
 # What may follow "made of": a material word or the substance it names ("made of wood", "made of
 # gold"); the value is kept as written.
-_MATERIAL_WORDS = frozenset(MATERIAL_SUBSTANCE) | frozenset(MATERIAL_SUBSTANCE.values())
+_MATERIAL_WORDS = (frozenset(MATERIAL_SUBSTANCE) | frozenset(MATERIAL_SUBSTANCE.values())
+                   | {w for w, kinds in AMBIGUOUS_KIND_WORDS.items() if "material" in kinds})
 # Possessive determiners, read as a/an (or before a count) as the lists write them: "a dog with its
 # red ball" is a dog with a ball, "a girl and her dog" a girl and a dog.
 POSSESSIVES = frozenset({"its", "his", "her", "their"})
@@ -253,12 +255,18 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     for i, span in enumerate(spans):
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
             subjects = {index[s] for s, _, j in local if j == i and s < i}
-            index.append(_pronoun(span[0], subjects, phrases, prompt, ops[i - 1]))
+            head = index[0] if len(spans) == 3 and i == 2 and ops[0] == SEP else None
+            index.append(_pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1]))
+            if index[-1] == head:
+                # "a large bowl and three oranges in it": the oranges are in the bowl
+                local = [e for e in local if e[0] != 0]
+                _unpose(spans[0], ops[1], phrases, head, prompt, nouns)
         elif span[:1] == ["the"]:
             placed = isinstance(ops[i - 1], Relation) if i > 0 else opening
             index.append(_reference(span, phrases, prompt, nouns, roles[i], placed))
         else:
-            phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0))
+            placed = i > 0 and isinstance(ops[i - 1], Relation)
+            phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0, placed))
             index.append(len(phrases) - 1)
     _check_open_joins(spans, ops, index, prompt)
     if not local and all(span[:1] == ["the"] for span in spans):
@@ -269,6 +277,15 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     if groups is not None:
         groups += _lists(edges, index, bool(each_other))
     return edges
+
+
+def _unpose(span: list[str], relation: Relation, phrases: list[NounPhrase], at: int, prompt: str,
+            nouns: frozenset[str] | None) -> None:
+    """Read the first of "A and B sleeping next to it" again without the state its posture verb
+    gave every listed noun phrase: "it" is A, so only B is sleeping."""
+    verb = relation.form.split(" ")[0]
+    if verb in ATTRIBUTE_KIND and span[1:2] == [verb] and span[0] != "the":
+        phrases[at] = _parse_phrase([span[0], *span[2:]], prompt, nouns, "", False)
 
 
 def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], index: list[int],
@@ -411,6 +428,7 @@ def _predicate_attributes(words: list[str], verb: str, said: str,
     if made is not None:
         rest = _attributes(made[0]) if made[0] else ()
         attributes = None if rest is None else _merge(rest, made[1])
+        _check_kind_words(rest or (), said, prompt)
     else:
         attributes = _attributes(words) if words else None
     if attributes is None:
@@ -420,7 +438,8 @@ def _predicate_attributes(words: list[str], verb: str, said: str,
                                f"parser knows" if unknown else f"{words} after {said!r} gives an "
                                "attribute kind twice or nothing")
         raise _fail(prompt, f"{reason}; {_LLM}")
-    _check_kind_words(attributes, said, prompt)
+    if made is None:
+        _check_kind_words(attributes, said, prompt)
     return attributes
 
 
@@ -462,8 +481,12 @@ def _roles(ops: list[str | Relation]) -> list[str]:
 
 
 def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, role: str,
-                  first: bool) -> NounPhrase:
+                  first: bool, placed: bool = False) -> NounPhrase:
+    """The noun phrase of "(a|an|count|its|...) [attributes] noun", or, when `placed` (the object
+    of a relation), of "[attributes] MASS-NOUN" ("in tall grass", "in shallow water": one)."""
     text = " ".join(words)
+    if placed and "" not in words and words[-1] in MASS_NOUNS and words[0] not in COUNT_WORDS:
+        words = ["a", *words]
     if len(words) < 2 or "" in words:
         raise _fail(prompt, f"noun phrase {text!r}{role} must be '(a|an|number) [attributes] "
                             "noun'")
@@ -477,6 +500,8 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
         raise _fail(prompt, f"{start}, not {words[0]!r}")
     else:
         count, rest = COUNT_WORDS[words[0]], words[1:]
+        # "a single red rose" is one red rose
+        rest = rest[1:] if count == 1 and rest[:1] == ["single"] and len(rest) > 1 else rest
     made = _made_of(rest) if rest[-3:-1] == ["made", "of"] else None
     rest = made[0] if made else rest
     _check_noun_words(rest, text, prompt, role)

@@ -49,6 +49,8 @@ SETTINGS: frozenset[str] = frozenset(_DATA["settings"])
 # girl is next to it), a container containment ("a cat in a basket on a sofa": the basket is on it).
 GARMENTS: frozenset[str] = frozenset(_DATA["garments"])
 CONTAINERS: frozenset[str] = frozenset(_DATA["containers"])
+# Mass nouns, which a relation may take without an article ("a tiger lying in tall grass"): one.
+MASS_NOUNS: frozenset[str] = frozenset(_DATA["mass_nouns"])
 # Parts of a thing or a body: "on a horse's back" is on the horse; "on its roof" (whose?) is refused.
 PARTS: frozenset[str] = frozenset(_DATA["parts"])
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
@@ -73,7 +75,9 @@ ATTRIBUTE_KIND = MappingProxyType(_attribute_kinds())
 
 RELATION_PHRASES = MappingProxyType({
     "left of": "left of", "to the left of": "left of", "on the left of": "left of",
+    "on the left side of": "left of", "to the left side of": "left of",
     "right of": "right of", "to the right of": "right of", "on the right of": "right of",
+    "on the right side of": "right of", "to the right side of": "right of",
     "above": "above", "over": "above",
     "below": "below", "under": "below", "underneath": "below", "beneath": "below",
     "in front of": "in front of", "behind": "behind",
