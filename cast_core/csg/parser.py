@@ -29,7 +29,11 @@ phrase of two or more ("a lamp between two chairs"). A separator before "the ...
 statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun that no earlier noun
 phrase has is a new noun phrase of one after a relation ("a cat under the bed") and as the subject
 of a predication before any a/an or count noun phrase ("the cat is black"). "A and B next to each
-other" (near, close to) is one edge from A to B. Back-references and predications:
+other" (near, close to) is one edge from A to B. A predication on a pronoun ("it is red", "they are
+both brown", "each of them empty") names the one noun phrase of that number, or the one list,
+written before (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
+a/an ("a dog with its red ball"), "a horse's back" (a part) as its owner, and a mass noun after a
+relation needs no article ("a tiger lying in tall grass"). Back-references and predications:
 `cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication
 adds attributes to it, or relates it).
 
