@@ -256,6 +256,7 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     spans = spans[:-1] if each_other else spans
     roles, index = _roles(ops), []
     spans = [_owner(span, prompt) for span in spans]
+    _check_possessives(spans, ops, prompt)
     for i, span in enumerate(spans):
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
             subjects = {index[s] for s, _, j in local if j == i and s < i}
@@ -521,6 +522,25 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
     return NounPhrase(split[0], count, attributes)
 
 
+def _check_possessives(spans: list[list[str]], ops: list[str | Relation], prompt: str) -> None:
+    """Refuse "its|his|her|their ..." anywhere but among the objects of a clause's first relation
+    after one noun phrase, its owner ("a dog with its ball", "a boy beside his mother and a dog"):
+    after a later relation the owner is unclear ("a cat with a bell on its collar": the cat's, and
+    is the bell on it?), and in a list ("a man and his dog") the lists write the owner's "with"
+    both ways."""
+    first = next((k for k, op in enumerate(ops) if isinstance(op, Relation)), None)
+    objects = set()
+    if first == 0:
+        later = next((k for k in range(1, len(ops)) if isinstance(ops[k], Relation)), len(ops))
+        objects = set(range(1, later + 1))
+    for i, span in enumerate(spans):
+        if span[:1] and span[0] in POSSESSIVES and i not in objects:
+            raise _fail(prompt, f"{' '.join(span)!r}: the offline parser reads 'its', 'his', "
+                                f"'her', 'their' only after the first relation of a noun phrase "
+                                f"that owns it ('a dog with its ball'); here whose it is, or "
+                                f"whether the owner has it ('with'), is ambiguous; {_LLM}")
+
+
 def _possessed(words: list[str], text: str, prompt: str) -> tuple[int, list[str]]:
     """(count, words after it) of "its|his|her|their [count] ...": one, or the count written
     ("their two puppies"). A part ("its roof": of which noun phrase?) and a plural without a
@@ -569,9 +589,10 @@ def _check_kind_words(attributes: tuple[tuple[str, str], ...], text: str, prompt
     for kind, value in attributes:
         if value in AMBIGUOUS_KIND_WORDS:
             kinds = " or its ".join(AMBIGUOUS_KIND_WORDS[value])
+            hint = ("name the colour with another colour word ('brown', 'gold')"
+                    if "color" in AMBIGUOUS_KIND_WORDS[value] else "use another word")
             raise _fail(prompt, f"{value!r} in {text!r} may be its {kinds} (the held-out lists "
-                                f"write it both ways); name the colour with another colour word "
-                                f"('brown', 'gold') or {_LLM}")
+                                f"write it both ways); {hint} or {_LLM}")
 
 
 def _merge(first: tuple[tuple[str, str], ...],
