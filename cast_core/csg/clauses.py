@@ -109,11 +109,16 @@ def is_predication(span: list[str]) -> bool:
     return span[:1] == ["the"] and any(w in PREDICATE_VERBS for w in span)
 
 
+_PRONOUN_FORMS = sorted(PRONOUN_SUBJECTS, key=len, reverse=True)
+
+
 def pronoun_subject(span: list[str]) -> tuple[int, str, str | None] | None:
     """(words it takes, pronoun "it" or "they", quantifier "both", "all", "each" or None) of a span
     that opens with a pronoun predication ("they are both brown": 3, "they", "both"); None when
     it does not."""
-    for form in sorted(PRONOUN_SUBJECTS, key=len, reverse=True):
+    if span[:1] not in (["it"], ["they"], ["both"], ["all"], ["each"]):
+        return None
+    for form in _PRONOUN_FORMS:
         if tuple(span[:len(form)]) == form:
             return (len(form), *PRONOUN_SUBJECTS[form])
     return None
@@ -193,8 +198,15 @@ def _tokens(body: str) -> list[str]:
     return tokens
 
 
+# Relation forms by their first word, longest first.
+_FORMS_BY_FIRST: dict[str, list[tuple[str, ...]]] = {}
+for _form in RELATION_FORMS:
+    _FORMS_BY_FIRST.setdefault(_form[0], []).append(_form)
+
+
 def _relation_at(tokens: list[str], i: int) -> tuple[str, ...] | None:
-    return next((f for f in RELATION_FORMS if tuple(tokens[i:i + len(f)]) == f), None)
+    forms = _FORMS_BY_FIRST.get(tokens[i], ()) if i < len(tokens) else ()
+    return next((f for f in forms if tuple(tokens[i:i + len(f)]) == f), None)
 
 
 def clause_edges(spans: list[list[str]], ops: list[str | Relation],

@@ -607,7 +607,9 @@ def _merge(first: tuple[tuple[str, str], ...],
 
 def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> None:
     allowed = {i for i, w in enumerate(rest) if w == "and" and _joins_colors(rest, i)}
-    allowed |= {_of_at(rest)} | _compound_ending(rest)
+    allowed |= {_of_at(rest)}
+    if any(w in _NOT_NOUN_WORDS for w in rest):
+        allowed |= _compound_ending(rest)
     bad = [w for i, w in enumerate(rest)
            if i not in allowed and (not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS)]
     if not rest:
