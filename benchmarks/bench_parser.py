@@ -12,8 +12,9 @@ Sets:
   guided the fourth) and tests/data/compositional_heldout4.jsonl (346 prompts written before the
   fourth round, which guided the fifth) and tests/data/compositional_heldout5.jsonl (394 prompts
   written before the fifth round, which guided the sixth) and
-  tests/data/compositional_heldout6.jsonl (331 prompts written before the sixth round and not tuned
-  to afterwards), each with its intended graph; a line marked "refuse" is one its writer judged
+  tests/data/compositional_heldout6.jsonl (331 prompts written before the sixth round, which guided
+  the seventh) and tests/data/compositional_heldout7.jsonl (375 prompts written before the seventh
+  round and not tuned to afterwards), each with its intended graph; a line marked "refuse" is one its writer judged
   ambiguous or beyond the offline grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
@@ -52,7 +53,8 @@ def shape(graph) -> tuple[list, list]:
 
 HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout3.jsonl", "compositional_heldout4.jsonl",
-            "compositional_heldout5.jsonl", "compositional_heldout6.jsonl")
+            "compositional_heldout5.jsonl", "compositional_heldout6.jsonl",
+            "compositional_heldout7.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:

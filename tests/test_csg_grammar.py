@@ -146,11 +146,15 @@ NEGATIVE = [
     ("a dog which chases a cat", "nested clause"),
     ("a cat sitting", "verb ('sitting')"),
     ("a cat sitting with a dog", "verb ('sitting')"),
-    ("three cats sleeping on a rug", "verb ('sleeping')"),
+    ("a dog; the dog sleeping on a rug", "verb ('sleeping')"),
     ("a car next to a truck; the truck parked next to a house", "verb ('parked')"),
     ("a cat sitting on", "relation 'sitting on' must be followed by a noun phrase"),
     ("a cup onto a table", "relation 'onto' is not one"),
     ("a cat across a road", "relation 'across' is not one"),
+    ("a cat by", "relation 'by' must be followed by a noun phrase"),
+    ("a house surrounded by trees", "verb ('surrounded')"),
+    ("a lamp in between a bed and a desk", "'in between' is followed by a list"),
+    ("a red-and-zesty kite", "['red-and-zesty'] before the noun 'kite'"),
     ("a dog between a cat and a mouse", "'between' is followed by a list"),
     ("a lamp between two chairs and a sofa", "'between' is followed by a list"),
     ("a dog between a cat", "'between' needs one noun phrase of two or more"),
@@ -158,7 +162,9 @@ NEGATIVE = [
     ("a statue of a horse", "'of' phrase ('statue of a')"),
     ("a red pair of blue shoes", "'pair of', which the offline parser reads only as"),
     ("a pair of zesty skis next to a snowman", "'pair of', which the offline parser reads only as"),
-    ("a cup of green tea", "attribute 'green' inside the 'of' phrase"),
+    ("a red cup of green tea", "gives an attribute kind twice, before and after 'of'"),
+    ("a bottle of red wine next to two glasses", "'red wine' in 'a bottle of red wine' may be one noun"),
+    ("a glass of white wine", "'white wine' in 'a glass of white wine' may be one noun"),
     ("a vase of red roses", "'of' phrase ('vase of red')"),
     ("a cup of zesty tea", "'zesty tea' after 'cup of'"),
     ("a zesty cup of tea", "['zesty'] before the noun 'cup'"),
@@ -175,10 +181,12 @@ NEGATIVE = [
     ("a boy, a girl and a man with a kite next to a tree", "'with' follows a list of noun phrases"),
     ("a girl on a bench with a dog", "'with' follows the relation 'on' in a chain"),
     ("a bike across a road and under a window", "relation 'across' is not one"),
-    ("a girl in a yellow raincoat next to a red umbrella", "a chain starts with 'in'"),
-    ("a cat in a basket on a sofa", "a chain starts with 'in' and goes on with 'on'"),
-    ("a man in a black suit to the left of a woman", "a chain starts with 'in'"),
     ("two fish in a bowl with a plant", "'with' follows the relation 'in' in a chain"),
+    ("a squirrel in a tree next to a house",
+     "'a tree' is neither a garment nor a container the vocabulary lists"),
+    ("a pig in the mud next to a goat", "a chain goes through 'the mud', a ground or scene"),
+    ("a castle behind a lake with two swans", "only 'A with B rel C with D' reads D as C's"),
+    ("a man next to a woman with a dog", "'with' follows the relation 'next to' in a chain"),
     ("a gate; the gate is made of bricks", "verb ('made')"),
     ("a wooden vase made of glass", "gives its material twice"),
     ("a vase made of zesty", "verb ('made')"),
@@ -243,12 +251,38 @@ NEGATIVE = [
     ("a sandcastle next to a red bucket and a yellow shovel on a beach",
      "'a yellow shovel' after 'next to' and 'and' is followed by 'on a beach', a ground or scene"),
     ("a cat next to a dog and a bird above it", "'above it' could name any of ['1 cat', '1 dog']"),
+    ("a pen beside a notebook and a pencil on a desk",
+     "'a pencil' after 'beside' and 'and' may be a second object of 'beside' or the subject"),
+    ("a blue mug next to a laptop and a red pen on top of a notebook",
+     "'on top of a notebook' may place it alone or every noun phrase before it"),
+    ("a bench near a lamp post and a tree with a bird", "(a list or a new clause?)"),
+    ("a sandcastle next to a blue bucket and a red spade on the sand",
+     "'a red spade' after 'next to' and 'and' may be a second object"),
     ("a cat on a sofa and a dog next to it", "'next to it' could name any of ['1 cat', '1 sofa']"),
     ("a cat next to them", "'next to them' names no noun phrase of two or more"),
-    ("a cat and a dog on it", "'on it' names no noun phrase of one"),
+    ("two cats and a dog on it", "'on it' names no noun phrase of one"),
+    ("a lamp; a bowl and three oranges in it", "'in it' could name any of ['1 lamp', '1 bowl']"),
+    ("a dog in deep water", "['deep'] before the noun 'water' in 'deep water'"),
+    ("water next to a cat", "noun phrase 'water' must be"),
+    ("a cat next to a dog, a bird and a fish above a tree", "follows a list of objects"),
     ("a desk with a laptop on it and a chair in front of it", "'in front of it' could name any"),
-    ("a dog with its ball", "'its'"),
-    ("a cat on a mat; it is black", "not 'it'"),
+    ("a blue truck with a yellow canoe on its roof",
+     "'its roof': the offline parser reads 'its', 'his', 'her', 'their' only after the first"),
+    ("a cat with a bell on its collar", "whose it is, or whether the owner has it"),
+    ("a girl and her dog on a beach", "'her dog': the offline parser reads 'its'"),
+    ("a dog next to its tail", "'its tail' names a part ('tail')"),
+    ("a wrinkled map under a compass", "'wrinkled' in 'a wrinkled map' may be its state"),
+    ("a horse's saddle on a fence", "possessive \"horse's saddle\" in \"a horse's saddle\""),
+    ("a bird on a giraffe's long neck", "the offline parser reads 'X's' only before a part"),
+    ("a girl with her dogs", "'her dogs' says no count for a plural noun"),
+    ("a cat on a mat; it is black", "'it' could name any of ['1 cat', '1 mat']"),
+    ("two dogs and a cat; they are brown", "'they' could name any of ['2 dog', '2 dog and 1 cat']"),
+    ("a cup; they are red", "'they' names no noun phrase of two or more"),
+    ("three mugs on a shelf; both are red", "'both' names '3 mug', which is not two"),
+    ("two cups; they are on a table", "after 'they are' come only attribute words"),
+    ("two cups; they are zesty", "['zesty'] after 'they are' is not an attribute word"),
+    ("two blue cups; they are red", "'red', but its color was written as 'blue'"),
+    ("it is red", "'it' names no noun phrase of one written before it"),
     ("a cat..", "['cat.']"),
     ("a cat  next to a dog", "noun phrase 'a cat '"),
     ("a red car next to a red car", "appear twice"),
@@ -351,12 +385,13 @@ def test_prompt_length_and_atom_limits():
 # of skis" as two skis (the later lists, and the parser: one "pair of skis"), and gives a relation
 # after a list only to the last listed noun phrase (the second and fourth lists, and the parser:
 # to each).
-# The second list files "wrinkled" under texture and "glowing" under state; the vocabulary has them
-# the other way round (state and texture). The third list reads "paper bag", "paper airplane",
-# "paper lantern" and "ice floe" as compounds (the parser: paper, ice as materials), writes one
+# The second list files "glowing" under state; the vocabulary (and the other lists) under texture.
+# The third list reads "paper bag" and "paper lantern" as compounds (the first and second lists,
+# and the parser: paper as a material), writes one
 # posture verb into its relation ("sitting on"; elsewhere it writes the relation alone, as the
-# parser reads it), drops the state "parked" after a list ("a red car and a blue car parked next
-# to a house"; elsewhere it keeps it), and reads one chain the other way from the 13 chains of the
+# parser reads it), drops the state of a posture verb that is also a state word ("parked" after a
+# list, "a red car and a blue car parked next to a house"; "a cat sleeping on a wooden
+# windowsill", where the first, fourth, fifth and sixth lists keep "sleeping"), and reads one chain the other way from the 13 chains of the
 # first two lists ("a pink piggy bank on a shelf beside three gold coins": the parser places the
 # shelf beside the coins).
 # The fourth list's one, "a blue whale" (the animal) read as a whale coloured blue, is refused
@@ -364,11 +399,13 @@ def test_prompt_length_and_atom_limits():
 # The fourth list writes "X with Y rel it" as the one edge Y rel X; the fifth (and the sixth) also
 # the "with" edge, as the parser keeps every relation written ("a wooden table with four chairs
 # around it": table with chairs, chairs around table).
-# The sixth list's five: one label typo made while rewriting a duplicate ("a cracked egg to the
-# left of a whole egg" is labelled "next to"), and four "X rel A and B rel2 C" that its writer
-# marked as ambiguous and labelled as a list after "rel" (the parser reads a new clause, as 127
-# of the 128 such prompts of the first five lists are labelled; only an "on"/"in" place written
-# with a/an or a count, "on a beach", is refused).
+# The sixth list's one: a label typo made while rewriting a duplicate ("a cracked egg to the left
+# of a whole egg" is labelled "next to"). Its four "X next to A and B rel C" that the writer
+# labelled as a list after "next to" are refused since the seventh round (a list or a new clause?).
+# The seventh list's four, after the round that it measured, were refused (see docs/csg_grammar.md):
+# "its collar" after a later relation in a chain (whose?), "a man and his dog" (the sixth list
+# writes no "with" for the owner, the seventh writes one), and "wrinkled" (the second list files it
+# under texture, the seventh under state).
 # The fifth list's three were readings (all three are refused since the sixth round): it places the boat, not the water, next to the pier (the
 # chain rule places the noun phrase the later relation follows), files "bronze" under material
 # (the vocabulary: colour), and reads "a sandcastle next to a red bucket and a yellow shovel on a
@@ -385,11 +422,10 @@ LABEL_DIFFERENCES = {
                                     "two red apples and a yellow banana on top of a wooden table",
                                     "two potatoes and three tomatoes on top of a wooden board",
                                     "a red cup inside a glass box"],
-    "compositional_heldout2.jsonl": ["a wrinkled brown paper bag next to a shiny red apple",
-                                     "a glowing lantern above a sleeping dog and a wooden boat"],
+    "compositional_heldout2.jsonl": ["a glowing lantern above a sleeping dog and a wooden boat"],
     "compositional_heldout3.jsonl": ["a crumpled paper bag next to an apple",
-                                     "a paper airplane above a desk and below a ceiling fan",
                                      "two paper lanterns above a koi pond",
+                                     "a cat sleeping on a wooden windowsill",
                                      "an old man sitting on a bench beside a lake",
                                      "a red car and a blue car parked next to a house",
                                      "a pink piggy bank on a shelf beside three gold coins"],
@@ -397,12 +433,8 @@ LABEL_DIFFERENCES = {
                                      "a chessboard with two chess pieces on it",
                                      "a wooden table with four wooden chairs around it"],
     "compositional_heldout5.jsonl": [],
-    "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg",
-                                     ("a sandcastle next to a blue bucket and a red spade on the "
-                                      "sand"),
-                                     "a white cup beside a red plate and a green bowl under a lamp",
-                                     "a pen beside a notebook and a pencil on a desk",
-                                     "a bench near a lamp post and a tree with a bird"],
+    "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg"],
+    "compositional_heldout7.jsonl": [],
 }
 
 

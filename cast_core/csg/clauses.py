@@ -14,25 +14,49 @@ that raise are those of the parser's docstring: a relation takes the list after 
 "and" + relation keeps the subject; a phrase after the first object that is followed by a relation
 starts a new clause; a list before the first relation gives each listed noun phrase the relation
 ("a cat and a dog on a sofa": both are on it); in a chain ("A on B next to C") the second relation
-places the noun phrase it follows (B), or after "with" the subject (A); a chain whose later
-relation is "with" ("a girl on a bench with a dog") or whose first relation is "in" ("a girl in a
-yellow raincoat next to a red umbrella": wearing or containment?), "with" after a list ("a cat and
-a dog with a collar": whose?), "between" followed by a list,
-and a new clause after two or more objects raise ValueError saying why.
+places the noun phrase it follows (B), or the subject (A) after "with" and after "in" a garment
+("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
+the container ("a cat in a basket on a sofa"). A chain whose later relation is "with" ("a girl on
+a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
+woman with a dog": the dog is the woman's), or whose first relation is "in" something neither a
+garment nor a container, "with" after a list ("a cat and a dog with a collar": whose?), "between"
+followed by a list, and a new clause after two or more objects raise ValueError saying why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
-from cast_core.csg.vocab import ATTRIBUTE_KIND, POSTURE_VERBS, RELATION_FORMS, RELATION_PHRASES
+from cast_core.csg.vocab import (
+    ATTRIBUTE_KIND,
+    CONTAINERS,
+    GARMENTS,
+    POSTURE_VERBS,
+    RELATION_FORMS,
+    RELATION_PHRASES,
+    singularize,
+)
 
 SEP = "sep"
+# Relations that hold both ways, after which "and" may add a second object ("a pen beside a notebook
+# and a pencil"): "X next to A and B rel C" may be a list after "next to" or a new clause.
+PROXIMITY = frozenset({"next to", "close to"})
 # Pronouns read as the object of a relation ("a table with a vase on it"); the parser resolves them.
 PRONOUNS = frozenset({"it", "them"})
 STATEMENT_ENDS = (";", ".")
 PREDICATE_VERBS = frozenset({"is", "are"})
+# A pronoun and its verb (and a quantifier) opening a predication: "it is red", "they are both
+# brown", "each of them empty"; the parser resolves the pronoun (`cast_core.csg.references`).
+PRONOUN_SUBJECTS: dict[tuple[str, ...], tuple[str, str | None]] = {
+    ("it", "is"): ("it", None), ("they", "are"): ("they", None),
+    **{form: ("they", q) for q in ("both", "all")
+       for form in (("they", "are", q), ("they", q, "are"), (q, "are"), (q, "of", "them"),
+                    (q, "of", "them", "are"))},
+    **{form: ("they", "each") for form in (("each", "of", "them"), ("each", "of", "them", "is"),
+                                           ("each", "of", "them", "are"), ("each", "is"))},
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,18 @@ class Relation:
     canonical: str
     form: str
     also: bool = False
+
+
+class Separator(str):
+    """A separator between two spans, equal to SEP; `comma` when it was written with a comma
+    (", " or ", and"), which closes a list of two ("a cat next to a dog, and a bird on a branch")."""
+
+    comma: bool
+
+    def __new__(cls, comma: bool) -> Self:
+        separator = super().__new__(cls, SEP)
+        separator.comma = comma
+        return separator
 
 
 Statement = tuple[list[list[str]], list["str | Relation"]]
@@ -73,9 +109,25 @@ def is_predication(span: list[str]) -> bool:
     return span[:1] == ["the"] and any(w in PREDICATE_VERBS for w in span)
 
 
+_PRONOUN_FORMS = sorted(PRONOUN_SUBJECTS, key=len, reverse=True)
+
+
+def pronoun_subject(span: list[str]) -> tuple[int, str, str | None] | None:
+    """(words it takes, pronoun "it" or "they", quantifier "both", "all", "each" or None) of a span
+    that opens with a pronoun predication ("they are both brown": 3, "they", "both"); None when
+    it does not."""
+    if span[:1] not in (["it"], ["they"], ["both"], ["all"], ["each"]):
+        return None
+    for form in _PRONOUN_FORMS:
+        if tuple(span[:len(form)]) == form:
+            return (len(form), *PRONOUN_SUBJECTS[form])
+    return None
+
+
 def _cut_before_predications(spans: list[list[str]],
                              ops: list[str | Relation]) -> list[Statement]:
-    cuts = [k for k, op in enumerate(ops) if op == SEP and is_predication(spans[k + 1])]
+    cuts = [k for k, op in enumerate(ops) if op == SEP and (is_predication(spans[k + 1])
+                                                              or pronoun_subject(spans[k + 1]))]
     statements, start = [], 0
     for k in cuts:
         statements.append((spans[start:k + 1], ops[start:k]))
@@ -111,8 +163,8 @@ def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation
             spans[-1].append("and")
             i += 1
         elif tokens[i] in (",", "and"):
+            ops.append(Separator(comma=tokens[i] == ","))
             i += 2 if tokens[i] == "," and tokens[i + 1:i + 2] == ["and"] else 1
-            ops.append(SEP)
             spans.append([])
         elif form:
             i += len(form)
@@ -146,8 +198,15 @@ def _tokens(body: str) -> list[str]:
     return tokens
 
 
+# Relation forms by their first word, longest first.
+_FORMS_BY_FIRST: dict[str, list[tuple[str, ...]]] = {}
+for _form in RELATION_FORMS:
+    _FORMS_BY_FIRST.setdefault(_form[0], []).append(_form)
+
+
 def _relation_at(tokens: list[str], i: int) -> tuple[str, ...] | None:
-    return next((f for f in RELATION_FORMS if tuple(tokens[i:i + len(f)]) == f), None)
+    forms = _FORMS_BY_FIRST.get(tokens[i], ()) if i < len(tokens) else ()
+    return next((f for f in forms if tuple(tokens[i:i + len(f)]) == f), None)
 
 
 def clause_edges(spans: list[list[str]], ops: list[str | Relation],
@@ -180,33 +239,10 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
         if op.also and relation is None:
             raise ValueError(f"'and {op.form}' needs a relation before it to share its subject")
         if not op.also and relation is not None and k == run[0]:
-            # A chain "A rel B rel2 C": rel2 places B (the noun phrase it follows), except after
-            # "with", whose object belongs to A ("a girl with a kite next to a tree": the girl).
-            if op.canonical == "with":
-                raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
-                                 "noun phrase it belongs to (the first one or the one right "
-                                 "before it) is ambiguous")
-            if relation.form == "in":
-                raise ValueError(f"a chain starts with 'in' and goes on with {op.form!r}: 'in' "
-                                 "may mean wearing ('a girl in a yellow raincoat next to a red "
-                                 "umbrella': the girl is next to it) or containment ('a cat in "
-                                 "a basket on a sofa': the basket is on it), so which noun "
-                                 f"phrase {op.form!r} places is ambiguous; write one clause per "
-                                 "relation ('a girl in a yellow raincoat and next to a red "
-                                 "umbrella')")
-            if relation.canonical != "with" and setting(spans[k]):
-                raise ValueError(f"a chain goes through {' '.join(spans[k])!r}, a ground or "
-                                 f"scene, and on with {op.form!r}: it may place "
-                                 f"{' '.join(spans[k])!r} or the noun phrase before it ('a boat "
-                                 "on the water next to a pier': the boat is next to it); write "
-                                 f"one clause per relation ('... and {op.form} ...')")
-            # after "with", a pronoun object names the subject: "a table with a vase on it" is
-            # the vase on the table
-            pronoun = spans[k + 1] in (["it"], ["them"])
-            subjects = subjects if relation.canonical == "with" and not pronoun else [k]
+            subjects = _chain_subjects(spans, k, op, relation, subjects, edges, setting)
         elif not op.also:
             before = subjects
-            subjects = _next_subjects(k, op, relation, run)
+            subjects = _next_subjects(k, op, relation, run, ops)
             if relation is not None:
                 if (op.canonical in ("on", "in") and spans[k + 1][:1] != ["the"]
                         and setting(spans[k + 1])):
@@ -223,17 +259,88 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
     return edges
 
 
-def _next_subjects(k: int, op: Relation, previous: Relation | None, run: list[int]) -> list[int]:
+def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Relation,
+                    subjects: list[int], edges: list[tuple[int, str, int]],
+                    setting: Callable[[list[str]], bool]) -> list[int]:
+    """The subjects of `op` in a chain "A rel B op C" (B is span k): B, the noun phrase it follows
+    ("a book on a table next to a lamp": the table), or A after "with" ("a girl with a kite next
+    to a tree": the girl) and after "in" a garment (wearing: "a girl in a raincoat next to a tree").
+    ValueError where the lists read it both ways."""
+    if op.canonical == "with":
+        if not any(s in subjects and rel == "with" for s, rel, _ in edges):
+            raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
+                             "noun phrase it belongs to (the first one or the one right before "
+                             "it) is ambiguous; only 'A with B rel C with D' reads D as C's")
+        return [k]
+    worn = relation.form == "in" and _in_reading(spans[k]) == "wearing"
+    if relation.form == "in" and not worn and _in_reading(spans[k]) is None \
+            and not setting(spans[k]):
+        raise ValueError(f"a chain starts with 'in' and goes on with {op.form!r}: 'in' may mean "
+                         "wearing ('a girl in a yellow raincoat next to a red umbrella': the girl "
+                         "is next to it) or containment ('a cat in a basket on a sofa': the basket "
+                         f"is on it), and {' '.join(spans[k])!r} is neither a garment nor a "
+                         "container the vocabulary lists (`garments`, `containers`), so which noun "
+                         f"phrase {op.form!r} places is ambiguous; write one clause per relation ('a "
+                         "girl in a yellow raincoat and next to a red umbrella')")
+    if relation.canonical != "with" and not worn and setting(spans[k]):
+        raise ValueError(f"a chain goes through {' '.join(spans[k])!r}, a ground or scene, and "
+                         f"on with {op.form!r}: it may place {' '.join(spans[k])!r} or the noun "
+                         "phrase before it ('a boat on the water next to a pier': the boat is "
+                         f"next to it); write one clause per relation ('... and {op.form} ...')")
+    # after "with", a pronoun object names the subject: "a table with a vase on it" is the vase
+    # on the table
+    pronoun = spans[k + 1] in (["it"], ["them"])
+    keeps = relation.canonical == "with" and not pronoun or worn
+    return subjects if keeps else [k]
+
+
+def _in_reading(span: list[str]) -> str | None:
+    """"wearing" when the noun phrase after "in" is a garment ("a yellow raincoat"),
+    "containment" when it is a container ("a wicker basket", "a fish tank"), else None."""
+    words = span[:span.index("of")] if "of" in span else span
+    head = singularize(words[-1]) if words else ""
+    if head in GARMENTS:
+        return "wearing"
+    return "containment" if head in CONTAINERS else None
+
+
+def open_joins(spans: list[list[str]], ops: list[str | Relation]) -> list[int]:
+    """Indices k of the relations in "X next to A and B rel C" (a relation that holds both ways,
+    one object, a bare "and", a noun phrase B, then relation k with another relation than the
+    first): B may be a second object of "next to" ("a pen beside a notebook and a pencil") or the
+    subject of a new clause, and "rel C" may place B alone or all of them. The parser refuses
+    those whose C is a noun phrase not written before ("a pen beside a notebook and a pencil on a
+    desk"); a comma before "and", the same relation twice ("a man near a horse and a dog near a
+    cow"), or a C written before ("a glass beside a plate and a cookie on the plate") reads as a
+    new clause."""
+    joins = []
+    for k in range(2, len(ops)):
+        first, separator, second = ops[k - 2], ops[k - 1], ops[k]
+        if not (isinstance(first, Relation) and isinstance(second, Relation)):
+            continue
+        bare = isinstance(separator, Separator) and not separator.comma
+        if (bare and first.canonical in PROXIMITY and not second.also
+                and second.canonical != first.canonical):
+            joins.append(k)
+    return joins
+
+
+def _next_subjects(k: int, op: Relation, previous: Relation | None, run: list[int],
+                   ops: list[str | Relation]) -> list[int]:
     """The subjects of relation `op` written right after span k (see the module docstring): every
     noun phrase of a list before the first relation ("a cat and a dog on a sofa": both are on
-    it), else the noun phrase before it."""
+    it), else the noun phrase before it, which starts a new clause; after a list of objects only
+    where a comma follows the list's "and" ("a lamp next to a bed and a desk, a chair in front of
+    the desk")."""
     if previous is None and len(run) > 1 and op.canonical == "with":
         raise ValueError("'with' follows a list of noun phrases ('a cat and a dog with a red "
                          "collar'): does each have it, or only the last? write one clause per "
                          "noun phrase")
     if previous is None:
         return list(run)
-    if len(run) > 2:
+    closed = (isinstance(ops[k - 1], Separator) and ops[k - 1].comma
+              and isinstance(ops[k - 2], Separator) and not ops[k - 2].comma)
+    if len(run) > 2 and not closed:
         raise ValueError(f"the relation {op.form!r} follows a list of objects of "
                          f"{previous.form!r}, which is ambiguous (does it place only the last?)")
     return [k]

@@ -21,20 +21,30 @@ first object that is itself followed by a relation starts a new clause ("a cat l
 bird above a tree": the bird is above the tree). A list before the first relation gives each
 listed noun phrase the relation ("a cat and a dog on a sofa": both are on it). In a chain ("a book on a table next to a lamp")
 the later relation places the noun phrase it follows (the table), except after "with", whose object
-belongs to the subject ("a girl with a kite next to a tree": the girl). "between" takes one noun
+belongs to the subject ("a girl with a kite next to a tree": the girl), and after "in" a garment
+(`garments` in the vocabulary: "a girl in a yellow raincoat next to a tree": the girl); after "in"
+a container (`containers`: "a cat in a basket on a sofa") it places the container. "with" later in
+a chain belongs to the noun phrase before it only in "A with B rel C with D". "between" takes one noun
 phrase of two or more ("a lamp between two chairs"). A separator before "the ... is|are" also starts a
 statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun that no earlier noun
 phrase has is a new noun phrase of one after a relation ("a cat under the bed") and as the subject
 of a predication before any a/an or count noun phrase ("the cat is black"). "A and B next to each
-other" (near, close to) is one edge from A to B. Back-references and predications:
+other" (near, close to) is one edge from A to B. A predication on a pronoun ("it is red", "they are
+both brown", "each of them empty") names the one noun phrase of that number, or the one list,
+written before (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
+a/an ("a dog with its red ball"), "a horse's back" (a part) as its owner, and a mass noun after a
+relation needs no article ("a tiger lying in tall grass"). Back-references and predications:
 `cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication
 adds attributes to it, or relates it).
 
 Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on a bench with a
-dog": the girl's or the bench's?), a chain whose first relation is "in" ("a girl in a yellow
-raincoat next to a red umbrella": "in" may mean wearing), "between" followed by a list ("between
+dog": the girl's or the bench's?), a chain whose first relation is "in" something neither a
+garment nor a container ("a squirrel in a tree next to a house"), "between" followed by a list ("between
 a tree and a lamp": one relation of three noun phrases, which an edge cannot state), an attribute
-inside an "of" phrase ("a cup of green tea"), and a new clause after two or more objects. ATTRIBUTE words come
+inside an "of" phrase ("a cup of green tea"), a new clause after two or more objects, and "X next
+to A and B rel C" with C not written before ("a pen beside a notebook and a pencil on a desk": is
+the pencil a second object of "beside"? a comma before "and", "X next to A, and B rel C", or the
+same relation twice makes it a new clause). ATTRIBUTE words come
 from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
 "dark", "navy"... + colour is one colour, and so are two colours joined by "and", "black and
 white"); a node's attributes are kept in `ATTRIBUTE_KINDS`
@@ -74,6 +84,8 @@ from cast_core.csg.clauses import (
     Relation,
     clause_edges,
     is_predication,
+    open_joins,
+    pronoun_subject,
     split_statements,
 )
 from cast_core.csg.graph import RELATIONS, SceneGraph, validate_graph
@@ -84,7 +96,13 @@ from cast_core.csg.questions import (
     object_node,
     relation_edge,
 )
-from cast_core.csg.references import Reading, antecedent, unnamed, with_attributes
+from cast_core.csg.references import (
+    Reading,
+    antecedent,
+    pronoun_targets,
+    unnamed,
+    with_attributes,
+)
 from cast_core.csg.vocab import (
     ALSO_NOUNS,
     AMBIGUOUS_COMPOUND_NOUNS,
@@ -94,8 +112,10 @@ from cast_core.csg.vocab import (
     CLAUSE_WORDS,
     COLOR_MODIFIERS,
     COMPOUND_NOUNS,
+    MASS_NOUNS,
     MATERIAL_SUBSTANCE,
     OF_HEADS,
+    PARTS,
     RELATION_PHRASES,
     SETTINGS,
     UNSUPPORTED_RELATIONS,
@@ -143,7 +163,11 @@ _RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "
 _WORD = re.compile(r"[a-z][a-z'-]*")
 # What may follow "made of": a material word or the substance it names ("made of wood", "made of
 # gold"); the value is kept as written.
-_MATERIAL_WORDS = frozenset(MATERIAL_SUBSTANCE) | frozenset(MATERIAL_SUBSTANCE.values())
+_MATERIAL_WORDS = (frozenset(MATERIAL_SUBSTANCE) | frozenset(MATERIAL_SUBSTANCE.values())
+                   | {w for w, kinds in AMBIGUOUS_KIND_WORDS.items() if "material" in kinds})
+# Possessive determiners, read as a/an (or before a count) as the lists write them: "a dog with its
+# red ball" is a dog with a ball, "a girl and her dog" a girl and a dog.
+POSSESSIVES = frozenset({"its", "his", "her", "their"})
 _LLM = "use the LLM builder (builder.kind = 'llm-chat' or 'llm-local') for prompts like this"
 
 
@@ -193,15 +217,19 @@ def parse_prompt(prompt: str, tag: str | None = None,
         raise _fail(prompt, f"{err}; {_LLM}") from err
     phrases: list[NounPhrase] = []
     edges: list[tuple[int, str, int]] = []
+    groups: list[tuple[int, ...]] = []  # lists of noun phrases, which "they" may name
     opening = True  # no noun phrase written with a/an or a count yet
     for n, (spans, ops) in enumerate(statements):
+        if pronoun_subject(spans[0]) is not None:
+            _pronoun_predicate(spans, ops, phrases, groups, prompt)
+            continue
         relates = spans[0][-1:] in (["is"], ["are"]) and ops and isinstance(ops[0], Relation)
         if is_predication(spans[0]) and not relates:
             _predicate(spans, ops, phrases, prompt, listed, opening)
             continue
         spans = [spans[0][:-1], *spans[1:]] if relates else spans
         edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
-                         opening and bool(relates))
+                         opening and bool(relates), groups)
         opening = opening and all(span[:1] in (["the"], ["each"]) for span in spans)
     repeated = sorted({e for e in edges if edges.count(e) > 1})
     if repeated:
@@ -212,31 +240,61 @@ def parse_prompt(prompt: str, tag: str | None = None,
 
 def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
             prompt: str, nouns: frozenset[str] | None, first: bool,
-            opening: bool = False) -> list[tuple[int, str, int]]:
+            opening: bool = False,
+            groups: list[tuple[int, ...]] | None = None) -> list[tuple[int, str, int]]:
     """Edges of one statement between indices of `phrases`, to which its new noun phrases are
     appended (a span "the ..." is a reference to one already there, or a new noun phrase of one
-    after a relation, and as the subject of an `opening` predication, when none has its noun)."""
+    after a relation, and as the subject of an `opening` predication, when none has its noun).
+    Its lists of noun phrases are appended to `groups`."""
     try:
         local = clause_edges(spans, ops, _is_setting)
     except ValueError as err:
         construct = next(filter(None, (_construct(span) for span in spans)), None)
         raise _fail(prompt, (f"{construct}; " if construct else "") + f"{err}; {_LLM}") from err
-    local = _each_other(spans, ops, prompt) or local
-    spans = spans[:-1] if spans[-1] == ["each", "other"] else spans
+    each_other = _each_other(spans, ops, prompt)
+    local = each_other or local
+    spans = spans[:-1] if each_other else spans
     roles, index = _roles(ops), []
+    spans = [_owner(span, prompt) for span in spans]
+    _check_possessives(spans, ops, prompt)
     for i, span in enumerate(spans):
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
             subjects = {index[s] for s, _, j in local if j == i and s < i}
-            index.append(_pronoun(span[0], subjects, phrases, prompt, ops[i - 1]))
+            head = index[0] if len(spans) == 3 and i == 2 and ops[0] == SEP else None
+            index.append(_pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1]))
+            if index[-1] == head:
+                # "a large bowl and three oranges in it": the oranges are in the bowl
+                local = [e for e in local if e[0] != 0]
+                _unpose(spans[0], ops[1], phrases, head, prompt, nouns)
         elif span[:1] == ["the"]:
             placed = isinstance(ops[i - 1], Relation) if i > 0 else opening
             index.append(_reference(span, phrases, prompt, nouns, roles[i], placed))
         else:
-            phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0))
+            placed = i > 0 and isinstance(ops[i - 1], Relation)
+            phrases.append(_parse_phrase(span, prompt, nouns, roles[i], first and i == 0, placed))
             index.append(len(phrases) - 1)
+    _check_open_joins(spans, ops, index, prompt)
     if not local and all(span[:1] == ["the"] for span in spans):
         raise _fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
                             "noun phrases written before it and says nothing about them")
+    _check_edges(local, spans, index, phrases, prompt)
+    edges = [(index[i], relation, index[j]) for i, relation, j in local]
+    if groups is not None:
+        groups += _lists(edges, index, bool(each_other))
+    return edges
+
+
+def _unpose(span: list[str], relation: Relation, phrases: list[NounPhrase], at: int, prompt: str,
+            nouns: frozenset[str] | None) -> None:
+    """Read the first of "A and B sleeping next to it" again without the state its posture verb
+    gave every listed noun phrase: "it" is A, so only B is sleeping."""
+    verb = relation.form.split(" ")[0]
+    if verb in ATTRIBUTE_KIND and span[1:2] == [verb] and span[0] != "the":
+        phrases[at] = _parse_phrase([span[0], *span[2:]], prompt, nouns, "", False)
+
+
+def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], index: list[int],
+                 phrases: list[NounPhrase], prompt: str) -> None:
     for i, relation, j in local:
         if index[i] == index[j]:
             raise _fail(prompt, f"it relates {' '.join(spans[i])!r} to "
@@ -247,7 +305,39 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         if relation == "between" and phrases[index[j]].count < 2:
             raise _fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
                                 f"lamp between two chairs'), not {' '.join(spans[j])!r}; {_LLM}")
-    return [(index[i], relation, index[j]) for i, relation, j in local]
+
+
+def _lists(edges: list[tuple[int, str, int]], index: list[int],
+           each_other: bool) -> list[tuple[int, ...]]:
+    """The lists of two or more noun phrases a statement writes, which "they" may name: a bare
+    list ("a dog and a cat"), the subjects of one relation ("a dog and a cat on a rug"), the
+    objects of one ("a cat next to a dog and a bird"), and "A and B next to each other"."""
+    if not edges or each_other:
+        return [tuple(dict.fromkeys(index))] if len(set(index)) > 1 else []
+    objects: dict[tuple[int, str], set[int]] = {}
+    subjects: dict[tuple[str, int], set[int]] = {}
+    for i, relation, j in edges:
+        objects.setdefault((i, relation), set()).add(j)
+        subjects.setdefault((relation, j), set()).add(i)
+    found = {tuple(sorted(g)) for g in [*objects.values(), *subjects.values()] if len(g) > 1}
+    return sorted(found)
+
+
+def _check_open_joins(spans: list[list[str]], ops: list[str | Relation], index: list[int],
+                      prompt: str) -> None:
+    """Refuse "X next to A and B rel C" whose C is not written before ("a pen beside a notebook
+    and a pencil on a desk": is the pencil a second object of "beside", and is only the pencil on
+    the desk?); see `open_joins`."""
+    for k in open_joins(spans, ops):
+        if index[k + 1] in index[:k + 1]:
+            continue
+        first, second = ops[k - 2], ops[k]
+        b, c = " ".join(spans[k]), " ".join(spans[k + 1])
+        raise _fail(prompt, f"{b!r} after {first.form!r} and 'and' may be a second object of "
+                            f"{first.form!r} or the subject of a new clause, and "
+                            f"'{second.form} {c}' may place it alone or every noun phrase before "
+                            f"it (a list or a new clause?); write a comma before 'and' for a new "
+                            f"clause ('..., and {b} {second.form} {c}'), or {_LLM}")
 
 
 def _pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], prompt: str,
@@ -307,10 +397,43 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
         raise _fail(prompt, f"after {said!r} comes either attribute words ('the cup is red and "
                             f"shiny') or one relation ('the cup is next to a plate'); {_LLM}")
     words = spans[0][at + 1:] + [w for span in spans[1:] for w in span]
+    attributes = _predicate_attributes(words, verb, said, prompt)
+    try:
+        phrases[i] = with_attributes(phrases[i], attributes, " ".join(subject), ATTRIBUTE_KINDS)
+    except ValueError as err:
+        raise _fail(prompt, str(err)) from err
+
+
+def _pronoun_predicate(spans: list[list[str]], ops: list[str | Relation],
+                       phrases: list[NounPhrase], groups: list[tuple[int, ...]],
+                       prompt: str) -> None:
+    """Apply "it is red", "they are both brown", "each of them empty" to the noun phrases the
+    pronoun names (`cast_core.csg.references.pronoun_targets`), in place."""
+    at, pronoun, quantifier = pronoun_subject(spans[0])
+    said = " ".join(spans[0][:at])
+    if any(isinstance(op, Relation) for op in ops) or not all(spans[1:]):
+        raise _fail(prompt, f"after {said!r} come only attribute words ('they are red and "
+                            f"shiny'); for a relation name the noun phrase ('the cups are on a "
+                            f"tray') or {_LLM}")
+    words = spans[0][at:] + [w for span in spans[1:] for w in span]
+    attributes = _predicate_attributes(words, spans[0][at - 1], said, prompt)
+    try:
+        targets = pronoun_targets(pronoun, quantifier, phrases, groups)
+        for i in targets:
+            phrases[i] = with_attributes(phrases[i], attributes, said, ATTRIBUTE_KINDS)
+    except ValueError as err:
+        raise _fail(prompt, f"{err}; {_LLM}") from err
+
+
+def _predicate_attributes(words: list[str], verb: str, said: str,
+                          prompt: str) -> tuple[tuple[str, str], ...]:
+    """The attributes a predication gives ("red and shiny", "made of wood"), or an error naming
+    the words that are not."""
     made = _made_of(words)
     if made is not None:
         rest = _attributes(made[0]) if made[0] else ()
         attributes = None if rest is None else _merge(rest, made[1])
+        _check_kind_words(rest or (), said, prompt)
     else:
         attributes = _attributes(words) if words else None
     if attributes is None:
@@ -320,11 +443,9 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
                                f"parser knows" if unknown else f"{words} after {said!r} gives an "
                                "attribute kind twice or nothing")
         raise _fail(prompt, f"{reason}; {_LLM}")
-    _check_kind_words(attributes, said, prompt)
-    try:
-        phrases[i] = with_attributes(phrases[i], attributes, " ".join(subject), ATTRIBUTE_KINDS)
-    except ValueError as err:
-        raise _fail(prompt, str(err)) from err
+    if made is None:
+        _check_kind_words(attributes, said, prompt)
+    return attributes
 
 
 def _reference(words: list[str], phrases: list[NounPhrase], prompt: str,
@@ -365,18 +486,27 @@ def _roles(ops: list[str | Relation]) -> list[str]:
 
 
 def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, role: str,
-                  first: bool) -> NounPhrase:
+                  first: bool, placed: bool = False) -> NounPhrase:
+    """The noun phrase of "(a|an|count|its|...) [attributes] noun", or, when `placed` (the object
+    of a relation), of "[attributes] MASS-NOUN" ("in tall grass", "in shallow water": one)."""
     text = " ".join(words)
+    if placed and "" not in words and words[-1] in MASS_NOUNS and words[0] not in COUNT_WORDS:
+        words = ["a", *words]
     if len(words) < 2 or "" in words:
         raise _fail(prompt, f"noun phrase {text!r}{role} must be '(a|an|number) [attributes] "
                             "noun'")
-    if words[0] not in COUNT_WORDS:
+    if words[0] in POSSESSIVES:
+        count, rest = _possessed(words, text, prompt)
+    elif words[0] not in COUNT_WORDS:
         start = ("it must start with 'a photo of ' or with a noun phrase: a/an or a count "
                  "one..ten (or 1..10)" if first else
                  f"noun phrase {text!r}{role} must start with a/an or a count one..ten "
                  "(or 1..10)")
         raise _fail(prompt, f"{start}, not {words[0]!r}")
-    count, rest = COUNT_WORDS[words[0]], words[1:]
+    else:
+        count, rest = COUNT_WORDS[words[0]], words[1:]
+        # "a single red rose" is one red rose
+        rest = rest[1:] if count == 1 and rest[:1] == ["single"] and len(rest) > 1 else rest
     made = _made_of(rest) if rest[-3:-1] == ["made", "of"] else None
     rest = made[0] if made else rest
     _check_noun_words(rest, text, prompt, role)
@@ -390,6 +520,58 @@ def _parse_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, r
         raise _fail(prompt, f"noun phrase {text!r} gives its material twice (before the noun and "
                             f"after 'made of'); one value per kind ({_LLM})")
     return NounPhrase(split[0], count, attributes)
+
+
+def _check_possessives(spans: list[list[str]], ops: list[str | Relation], prompt: str) -> None:
+    """Refuse "its|his|her|their ..." anywhere but among the objects of a clause's first relation
+    after one noun phrase, its owner ("a dog with its ball", "a boy beside his mother and a dog"):
+    after a later relation the owner is unclear ("a cat with a bell on its collar": the cat's, and
+    is the bell on it?), and in a list ("a man and his dog") the lists write the owner's "with"
+    both ways."""
+    first = next((k for k, op in enumerate(ops) if isinstance(op, Relation)), None)
+    objects = set()
+    if first == 0:
+        later = next((k for k in range(1, len(ops)) if isinstance(ops[k], Relation)), len(ops))
+        objects = set(range(1, later + 1))
+    for i, span in enumerate(spans):
+        if span[:1] and span[0] in POSSESSIVES and i not in objects:
+            raise _fail(prompt, f"{' '.join(span)!r}: the offline parser reads 'its', 'his', "
+                                f"'her', 'their' only after the first relation of a noun phrase "
+                                f"that owns it ('a dog with its ball'); here whose it is, or "
+                                f"whether the owner has it ('with'), is ambiguous; {_LLM}")
+
+
+def _possessed(words: list[str], text: str, prompt: str) -> tuple[int, list[str]]:
+    """(count, words after it) of "its|his|her|their [count] ...": one, or the count written
+    ("their two puppies"). A part ("its roof": of which noun phrase?) and a plural without a
+    count ("her dogs") are refused."""
+    if words[1] in COUNT_WORDS and words[1] not in ("a", "an"):
+        count, rest = COUNT_WORDS[words[1]], words[2:]
+    else:
+        count, rest = 1, words[1:]
+    last = rest[-1] if rest else ""
+    if singularize(last) in PARTS:
+        raise _fail(prompt, f"{text!r} names a part ({last!r}) of a noun phrase written before, "
+                            f"which the offline parser does not place; {_LLM}")
+    if count == 1 and singularize(last) != last:
+        raise _fail(prompt, f"{text!r} says no count for a plural noun; write one ('her two "
+                            f"dogs') or {_LLM}")
+    return count, rest
+
+
+def _owner(span: list[str], prompt: str) -> list[str]:
+    """A noun phrase "a horse's back" names its owner, "a horse" ("a bird on a horse's back" is
+    on the horse, as the lists write it); any other "X's Y" ("a horse's saddle": is the horse in
+    the picture?) is refused."""
+    at = next((i for i, w in enumerate(span) if w.endswith("'s")), None)
+    if at is None:
+        return span
+    after = span[at + 1:]
+    if len(after) == 1 and singularize(after[0]) in PARTS:
+        return [*span[:at], span[at][:-2]]
+    raise _fail(prompt, f"possessive {' '.join(span[at:])!r} in {' '.join(span)!r}: the offline "
+                        f"parser reads 'X's' only before a part ('on a horse's back': on the "
+                        f"horse), not whether the owner is in the picture; {_LLM}")
 
 
 def _made_of(words: list[str]) -> tuple[list[str], tuple[tuple[str, str], ...]] | None:
@@ -407,9 +589,10 @@ def _check_kind_words(attributes: tuple[tuple[str, str], ...], text: str, prompt
     for kind, value in attributes:
         if value in AMBIGUOUS_KIND_WORDS:
             kinds = " or its ".join(AMBIGUOUS_KIND_WORDS[value])
+            hint = ("name the colour with another colour word ('brown', 'gold')"
+                    if "color" in AMBIGUOUS_KIND_WORDS[value] else "use another word")
             raise _fail(prompt, f"{value!r} in {text!r} may be its {kinds} (the held-out lists "
-                                f"write it both ways); name the colour with another colour word "
-                                f"('brown', 'gold') or {_LLM}")
+                                f"write it both ways); {hint} or {_LLM}")
 
 
 def _merge(first: tuple[tuple[str, str], ...],
@@ -425,6 +608,8 @@ def _merge(first: tuple[tuple[str, str], ...],
 def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> None:
     allowed = {i for i, w in enumerate(rest) if w == "and" and _joins_colors(rest, i)}
     allowed |= {_of_at(rest)}
+    if any(w in _NOT_NOUN_WORDS for w in rest):
+        allowed |= _compound_ending(rest)
     bad = [w for i, w in enumerate(rest)
            if i not in allowed and (not _WORD.fullmatch(w) or w in _NOT_NOUN_WORDS)]
     if not rest:
@@ -435,6 +620,15 @@ def _check_noun_words(rest: list[str], text: str, prompt: str, role: str) -> Non
         raise _fail(prompt, (f"{construct}; " if construct else "")
                     + f"noun {' '.join(rest)!r} in {text!r} has words that are not part of a "
                       f"noun: {bad}; {_LLM}")
+
+
+def _compound_ending(rest: list[str]) -> set[int]:
+    """Indices of the words of a listed compound noun that ends the noun phrase ("front door",
+    whose "front" is otherwise part of "in front of")."""
+    for j in range(len(rest) - 1):
+        if singularize(" ".join(rest[j:])) in COMPOUND_NOUNS:
+            return set(range(j, len(rest)))
+    return set()
 
 
 def _check_ambiguous(rest: list[str], text: str, prompt: str,
@@ -479,30 +673,28 @@ def _of_at(rest: list[str]) -> int | None:
 
 def _split_of(rest: list[str], at: int, count: int,
               nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
-    """(noun, attributes) of "[attributes] HEAD of NOUN": one noun "cup of tea" whose head takes
-    the number ("two loaves of bread": loaf of bread x2); the attributes before the head are the
-    node's. None when the head is "pair", the words after "of" are not one noun, or an attribute
-    word is among them."""
+    """(noun, attributes) of "[attributes] HEAD of [attributes] NOUN": one noun "cup of tea" whose
+    head takes the number ("two loaves of bread": loaf of bread x2); an attribute on either side
+    of "of" is the node's ("a steaming cup of tea", "a bowl of red apples": bowl of apples, colour
+    red), as the held-out lists write it. None when the head is no container or quantity, the
+    words after "of" are not attributes and one noun, or a kind is given twice."""
     head = singularize(rest[at - 1]) if count > 1 else rest[at - 1]
     attributes = _attributes(rest[:at - 1])
-    if head == "pair" and attributes is not None:
-        return _split_pair(rest[at + 1:], attributes, nouns)
-    if head not in OF_HEADS or attributes is None or not _inner_noun(rest[at + 1:]):
+    if head not in OF_HEADS | {"pair"} or attributes is None:
         return None
-    noun = f"{head} of {' '.join(rest[at + 1:])}"
-    return (noun, attributes) if nouns is None or noun in nouns else None
+    return _split_inner(head, rest[at + 1:], attributes, nouns)
 
 
-def _split_pair(inner: list[str], before: tuple[tuple[str, str], ...],
-                nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
-    """(noun, attributes) of "[attributes] pair of [attributes] NOUNS": one noun "pair of boots"
-    whose head takes the number ("two pairs of socks": pair of socks x2), as the held-out lists
-    write it; an attribute on either side of "of" is the pair's ("a pair of red boots")."""
+def _split_inner(head: str, inner: list[str], before: tuple[tuple[str, str], ...],
+                 nouns: frozenset[str] | None) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """(noun, attributes) of "HEAD of [attributes] NOUN" given the attributes `before` the head:
+    the longest noun after "of" whose words before are attributes ("a pair of red boots": pair of
+    boots, colour red; "a cup of hot chocolate": cup of hot chocolate)."""
     for j in range(len(inner)):
         attributes = _attributes(inner[:j])
         if attributes is not None and _inner_noun(inner[j:]):
             merged = _merge(before, attributes)
-            noun = f"pair of {' '.join(inner[j:])}"
+            noun = f"{head} of {' '.join(inner[j:])}"
             ok = merged is not None and (nouns is None or noun in nouns)
             return (noun, merged) if ok else None
     return None
@@ -542,6 +734,8 @@ def _attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
         word, after = words[i], words[i + 1] if i + 1 < len(words) else None
         if word in COLOR_MODIFIERS and after is not None and ATTRIBUTE_KIND.get(after) == "color":
             kind, value, i = "color", f"{word} {after}", i + 2
+        elif _hyphenated_colors(word):
+            kind, value, i = "color", word.replace("-", " "), i + 1
         elif word in ATTRIBUTE_KIND:
             kind, value, i = ATTRIBUTE_KIND[word], word, i + 1
         else:
@@ -552,6 +746,13 @@ def _attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
             return None
         found[kind] = value
     return tuple((k, found[k]) for k in ATTRIBUTE_KINDS if k in found)
+
+
+def _hyphenated_colors(word: str) -> bool:
+    """Whether a word is two colours joined by "-and-" ("red-and-white"): one colour, as "red and
+    white"."""
+    parts = word.split("-and-")
+    return len(parts) == 2 and all(ATTRIBUTE_KIND.get(p) == "color" for p in parts)
 
 
 def _construct(words: list[str]) -> str | None:
@@ -605,7 +806,8 @@ def _no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None,
     for i, (word, after) in enumerate(zip(before, [*before[1:], head])):
         if word == "and" and _joins_colors(rest, i):
             continue
-        colored = word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
+        colored = (word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
+                   or _hyphenated_colors(word))
         kind = ATTRIBUTE_KIND.get(word, "color" if colored else None)
         if kind is None:
             unknown.append(word)
@@ -635,15 +837,14 @@ def _of_reason(rest: list[str], at: int, text: str, nouns: frozenset[str] | None
                 f"{_LLM}")
     if _attributes(rest[:at - 1]) is None:
         return _no_split_reason(rest[:at], text, None, count)
-    if not _inner_noun(inner):
-        split = next((j for j in range(1, len(inner)) if _attributes(inner[:j]) is not None
-                      and _inner_noun(inner[j:])), None)
-        if split is not None:
-            return (f"attribute {' '.join(inner[:split])!r} inside the 'of' phrase in {text!r} "
-                    f"could describe the {single} or the {' '.join(inner[split:])}; write it "
-                    f"before {head!r} ('a steaming cup of tea') or {_LLM}")
-        return (f"{' '.join(inner)!r} after {head + ' of'!r} in {text!r} is not one noun the "
-                f"offline parser reads; {_LLM}")
+    split = next((j for j in range(len(inner)) if _attributes(inner[:j]) is not None
+                  and _inner_noun(inner[j:])), None)
+    if split is None:
+        return (f"{' '.join(inner)!r} after {head + ' of'!r} in {text!r} is not attribute words "
+                f"and one noun the offline parser reads; {_LLM}")
+    if split > 0 and nouns is None:
+        return (f"noun phrase {text!r} gives an attribute kind twice, before and after 'of'; "
+                f"one value per kind ({_LLM})")
     return (f"noun phrase {text!r} names none of the listed nouns {sorted(nouns or ())}; "
             "check the prompt against its metadata")
 

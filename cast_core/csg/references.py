@@ -74,3 +74,29 @@ def with_attributes(phrase: NounPhrase, attributes: tuple[tuple[str, str], ...],
         raise ValueError(f"{text!r} is said to be {now!r}, but its {kind} was written as {was!r}")
     found.update(attributes)
     return replace(phrase, attributes=tuple((k, found[k]) for k in kinds if k in found))
+
+
+def pronoun_targets(pronoun: str, quantifier: str | None, phrases: list[NounPhrase],
+                    groups: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Indices in `phrases` of what a predication's pronoun names: "it" the one noun phrase of one
+    written before ("five cookies on a plate; it is white"); "they" (also "both", "all of them",
+    "each of them") the one noun phrase of two or more or the one list of noun phrases in
+    `groups` ("three eggs in a bowl; they are brown", "a dog and a cat; they are both brown"),
+    "both" of two in all. ValueError naming them when there are none or several."""
+    if pronoun == "it":
+        found = [(i,) for i, p in enumerate(phrases) if p.count == 1]
+    else:
+        found = sorted({(i,) for i, p in enumerate(phrases) if p.count > 1} | set(groups))
+    shown = [" and ".join(_shown(phrases[i]) for i in group) for group in found]
+    said = pronoun if quantifier is None else f"{pronoun} ({quantifier})"
+    if len(found) > 1:
+        raise ValueError(f"{said!r} could name any of {shown}; name it ('the ... is|are ...')")
+    number = "one" if pronoun == "it" else "two or more, or a list of noun phrases"
+    if not found:
+        raise ValueError(f"{said!r} names no noun phrase of {number} written before it; name it "
+                         "('the ... is|are ...')")
+    if quantifier == "both" and sum(phrases[i].count for i in found[0]) != 2:
+        raise ValueError(f"'both' names {shown[0]!r}, which is not two; name it ('the ... are "
+                         "...')")
+    return found[0]
+

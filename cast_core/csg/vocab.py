@@ -9,9 +9,10 @@ start with an attribute word ("golden retriever", "rubber duck", "chocolate cake
 them apart (`ATTRIBUTE_COMPOUND_NOUNS`) so that they read as one noun, never as attribute + noun.
 
 Relation phrases map the forms people write to one canonical relation each ("under" and
-"beneath" are "below", "over" is "above", "beside" is "next to", "near" is "close to", "to the
-left of" is "left of", "inside" is "in"); "around", "against" and "between" (of one noun phrase of two or more:
-"between two armchairs") are relations of their own. Posture verbs
+"beneath" are "below", "over" is "above", "beside" and "by" are "next to", "near" is "close
+to", "to the left of" and "on the left side of" are "left of", "inside" is "in"); "around",
+"against" and "between" (of one noun phrase of two or more: "between two armchairs") are
+relations of their own. Posture verbs
 ("sitting", "parked", ...) are read only right before a relation form, which they leave as it is
 ("a cat sitting on a chair": on); "of" heads are the containers and quantities that make an "of"
 phrase one noun ("a cup of tea", "two loaves of bread"). Plurals: rules plus a small irregular
@@ -45,6 +46,14 @@ AMBIGUOUS_KIND_WORDS = MappingProxyType({w: tuple(k) for w, k in _DATA["ambiguou
 # last, and one in the middle of a chain ("a boat on the water next to a pier") may be where the
 # subject is rather than what the later relation places; both are refused.
 SETTINGS: frozenset[str] = frozenset(_DATA["settings"])
+# After "in" in a chain: a garment means wearing ("a girl in a yellow raincoat next to a tree": the
+# girl is next to it), a container containment ("a cat in a basket on a sofa": the basket is on it).
+GARMENTS: frozenset[str] = frozenset(_DATA["garments"])
+CONTAINERS: frozenset[str] = frozenset(_DATA["containers"])
+# Mass nouns, which a relation may take without an article ("a tiger lying in tall grass"): one.
+MASS_NOUNS: frozenset[str] = frozenset(_DATA["mass_nouns"])
+# Parts of a thing or a body: "on a horse's back" is on the horse; "on its roof" (whose?) is refused.
+PARTS: frozenset[str] = frozenset(_DATA["parts"])
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
 POSTURE_VERBS: frozenset[str] = frozenset(_DATA["posture_verbs"])
 VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS
@@ -67,15 +76,17 @@ ATTRIBUTE_KIND = MappingProxyType(_attribute_kinds())
 
 RELATION_PHRASES = MappingProxyType({
     "left of": "left of", "to the left of": "left of", "on the left of": "left of",
+    "on the left side of": "left of", "to the left side of": "left of",
     "right of": "right of", "to the right of": "right of", "on the right of": "right of",
+    "on the right side of": "right of", "to the right side of": "right of",
     "above": "above", "over": "above",
     "below": "below", "under": "below", "underneath": "below", "beneath": "below",
     "in front of": "in front of", "behind": "behind",
     "on top of": "on top of", "atop": "on top of",
-    "next to": "next to", "beside": "next to",
+    "next to": "next to", "beside": "next to", "by": "next to",
     "near": "close to", "close to": "close to",
     "with": "with", "on": "on", "in": "in", "inside": "in", "around": "around",
-    "between": "between", "against": "against",
+    "between": "between", "in between": "between", "against": "against",
 })
 RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
     (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))
