@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> None:
                              "overrides (repeatable; VALUE read as JSON, else as text), e.g. "
                              "--set train.lora_rank=32: one lever at a time for the methods "
                              "together; use its own --store")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: write the report from what the store holds (the "
+                             "latest finished record of every stage), e.g. after a code change, "
+                             "which would make every stage run again")
     for flag in ("seeds", "iterations", "per-iteration", "group-size", "probe-images",
                  "pool-images", "hard-images", "eval-images", "held-out-prompts"):
         parser.add_argument(f"--{flag}", type=int, default=None,
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
                   command.strip(), args.suite, protocol.lr, only, quick=args.quick,
                   guidance=protocol.guidance, pool_prompts=protocol.pool_prompts, jobs=args.jobs,
-                  kl_target=protocol.kl_target, settings=settings)
+                  kl_target=protocol.kl_target, settings=settings, report_only=args.report_only)
 
 
 if __name__ == "__main__":

@@ -230,9 +230,14 @@ def eval_outputs(store: Store, recipe: Recipe, iteration: int) -> EvalOutputs:
     if done is None:
         raise FileNotFoundError(f"run {recipe.run.name!r}: iteration {iteration} has no finished "
                                 f"evaluation under this eval section in {store.root}")
-    pngs = [p for p in done.paths if p.endswith(".png")]
-    (scores,) = [p for p in done.paths if p.endswith(".json")]
-    return EvalOutputs(dict(zip(sorted(recipe.eval.splits), pngs[:-1], strict=True)), scores)
+    return outputs_of(done.paths, list(recipe.eval.splits))
+
+
+def outputs_of(paths: tuple[str, ...], splits: list[str]) -> EvalOutputs:
+    """The EvalOutputs of a finished evaluation of `splits` from its record's (or ref's) paths."""
+    pngs = [p for p in paths if p.endswith(".png")]
+    (scores,) = [p for p in paths if p.endswith(".json")]
+    return EvalOutputs(dict(zip(sorted(splits), pngs[:-1], strict=True)), scores)
 
 
 def read_image_scores(store: Store, outputs: EvalOutputs) -> dict:

@@ -533,6 +533,27 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
         run_benchmark(size, tmp_path / "store", tmp_path / "report2", "tiny", threads=1,
                       only=["flowgrpo"], lr=3e-4)
     assert sorted(p.name for p in (tmp_path / "store").rglob("*.parquet")) == before
+    # after a code change every cache key differs, so the calls would run again; --report-only
+    # writes the same figures from what the store holds, and runs nothing
+    import tasks.stage
+
+    monkeypatch.setattr(tasks.stage, "code_version", lambda: "another code version")
+    again = run_benchmark(size, tmp_path / "store", tmp_path / "report3", "tiny", threads=1,
+                          only=names, report_only=True)
+    assert sorted(p.name for p in (tmp_path / "store").rglob("*.parquet")) == before
+    assert again["summary"].gains == sm.gains and again["summary"].curve == sm.curve
+    assert (tmp_path / "report3" / "figures.json").exists()
+
+
+def test_report_only_names_what_an_unfinished_store_lacks(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    size = Size(iterations=2, seeds=1, per_iteration=4, group_size=2, probe_images=1,
+                pool_images=2, hard_images=2, eval_images=2, held_out_prompts=3)
+    with pytest.raises(FileNotFoundError, match=r"tiny-base has no finished .*eval:probe.*"
+                                                r"without --report-only"):
+        run_benchmark(size, tmp_path / "store", tmp_path / "report", "tiny", threads=1,
+                      only=["flowgrpo"], report_only=True)
+    assert not list((tmp_path / "store").rglob("*.parquet"))  # nothing ran
 
 
 def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():

@@ -64,3 +64,39 @@ def evaluate_base(store, recipe, passes: dict[str, EvalPass]) -> dict:
 
     return {(-1, f"eval:{p.name}"): evaluate_checkpoint(store, with_eval(recipe, p), -1)
             for p in passes.values()}
+
+
+def recorded_refs(store, runs: list[str], iterations: int, passes: dict[str, EvalPass]) -> dict:
+    """{run: {(iteration, what): StageRef}} as `train_runs` (iterations >= 1) or `evaluate_base`
+    (iterations = -1: the base's passes) return them on a finished store, from the latest valid
+    completion record of each stage whatever its cache key. An evaluation's pass is the split
+    its `evals` part names. Raises FileNotFoundError naming what a run has not finished."""
+    from tasks.evaluate_checkpoint import STAGE as EVALUATE
+    from tasks.evaluate_checkpoint import evals_part
+    from tasks.stage import StageRef
+
+    out = {}
+    for run in runs:
+        refs = {}
+        for record in store.stage_records(run):  # oldest first: a later record supersedes
+            if store.stage_done(run, record.iteration, record.stage, record.cache_key) is None:
+                continue
+            what = record.stage
+            if record.stage == EVALUATE:
+                names = [p.name for p in passes.values() if f"tables/evals/"
+                         f"{evals_part(run, record.iteration, list(p.splits))}.parquet"
+                         in record.paths]
+                if not names:
+                    continue
+                what = f"eval:{names[0]}"
+            refs[(record.iteration, what)] = StageRef.from_record(record)
+        last = iterations - 1
+        wanted = ([(-1, f"eval:{p}") for p in passes] if iterations < 0 else
+                  [(k, w) for k in range(iterations) for w in ("train_epoch", "eval:probe")]
+                  + [(last, f"eval:{p}") for p in FINAL_SPLITS])
+        missing = [key for key in wanted if key not in refs]
+        if missing:
+            raise FileNotFoundError(f"{run} has no finished {missing[:4]} in {store.root}: run "
+                                    f"the benchmark without --report-only to finish it")
+        out[run] = refs
+    return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from methods.protocols import with_eval
 from methods.stats import PromptScores
 
 EVALS_SQL = """
@@ -90,9 +89,10 @@ def _diagnostics(con, runs: list[str]) -> dict:
 
 
 def read_results(store, refs: dict, outputs: dict) -> Results:
-    """`refs` {run: {(iteration, what): StageRef}} from the calls; `outputs` {(run, iteration,
-    pass): (recipe, EvalPass)} of the evaluations whose per-image scores and grids to read."""
-    from tasks.evaluate_checkpoint import eval_outputs, read_image_scores
+    """`refs` {run: {(iteration, what): StageRef}} from the calls (or the store's records);
+    `outputs` {(run, iteration, pass): EvalPass} of the evaluations whose per-image scores and
+    grids to read (found through their refs' paths)."""
+    from tasks.evaluate_checkpoint import outputs_of, read_image_scores
 
     store.refresh_catalog()
     runs = sorted(refs)
@@ -113,8 +113,8 @@ def read_results(store, refs: dict, outputs: dict) -> Results:
     seconds = {(run, k, what): recorded[(run, ref.iteration, ref.cache_key)]
                for run, by in refs.items() for (k, what), ref in by.items()}
     scores, grids = {}, {}
-    for (run, k, _), (recipe, p) in outputs.items():
-        found = eval_outputs(store, with_eval(recipe, p), k)
+    for (run, k, name), p in outputs.items():
+        found = outputs_of(refs[run][(k, f"eval:{name}")].paths, list(p.splits))
         for split, data in read_image_scores(store, found).items():
             scores[(run, k, split)] = PromptScores.from_json(data)
             grids[(run, k, split)] = found.grids[split]
