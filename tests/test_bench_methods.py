@@ -571,6 +571,17 @@ def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
                         0, QUICK, "t-loud", 1)
     with pytest.raises(ValueError, match="noise_level"):
         check_equal_budget([recipes[0], louder])
+    # on a KL-targeted protocol the SDE arms target the KL, the NFT arms keep the first lr
+    targeted = [recipe_for(a, 0, QUICK, f"t-{a.name}", 1, lr=1e-3, kl_target=0.03)
+                for a in nft_arms]
+    check_equal_budget(targeted)
+    assert [r.train.kl_target_nats for r in targeted] == [0.03, 0.03, None, None]
+    assert {r.train.lr for r in targeted} == {1e-3}
+    slower = recipe_for(nft_arms[1], 0, QUICK, "t-slow", 1, lr=3e-4, kl_target=0.03)
+    with pytest.raises(ValueError, match="train.lr"):
+        check_equal_budget([targeted[0], slower])  # SDE arms share their step
+    with pytest.raises(ValueError, match="train.lr"):
+        check_equal_budget([*targeted[:3], recipe_for(nft_arms[3], 0, QUICK, "t-n", 1, lr=3e-4)])
 
 
 def test_pool_file_takes_the_pools_first_prompts(tmp_path):

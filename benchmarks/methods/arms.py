@@ -11,8 +11,9 @@ cast-no-map-fixed-window - flowgrpo comes with the per-position ratio instead of
 no arm changes the ratio alone; and the `FIXES`); suite `recast` adds the ReCAST pairs
 (recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
 adds the forward-process arms nft (scalar reward) and nft-cast (CAST's map as a per-position
-optimality), which sample with the ODE (`NFT`). The train settings other than the clip range are
-equal across arms (`check_equal_budget`).
+optimality), which sample with the ODE (`NFT`). The train settings other than the clip range and
+the step size are equal across arms, the step size among the arms of one objective
+(`check_equal_budget`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ FLOWGRPO_RECIPE = "data/recipes/shapes-flowgrpo.toml"
 CAST_RECIPE = "data/recipes/shapes-cast.toml"
 BASELINE = "flowgrpo"
 SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling")
-SAME_TRAIN = ("lr", "kl_target_nats", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling",
-              "lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch",
+SAME_TRAIN = ("lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch",
               "micro_batch", "warmup_steps", "max_grad_norm", "weight_decay")
+# The step size, equal among the arms of one objective. A forward-process (NFT) arm cannot target
+# a KL (its ODE rollouts have no likelihoods), so under a KL-targeted protocol it trains at the
+# protocol's first lr, constant, while the SDE arms' lr follows their KL target.
+STEP = ("lr", "kl_target_nats", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling")
 SUITES = ("main", "ablations", "recast", "nft")
 # The SDE's exploration settings, equal across the SDE arms; the forward-process arms (NFT) sample
 # with the ODE from a fresh starting noise per sample instead.
@@ -144,7 +148,7 @@ def select_arms(suite: str, only: list[str] | None) -> tuple[Arm, ...]:
 
 def check_equal_budget(recipes: list) -> None:
     """Raise unless the recipes share seed, prompts, sampler, models, window size and the train
-    settings other than the clip range."""
+    settings other than the clip range, and the arms of one objective their step size (`STEP`)."""
     def budget(r) -> dict:
         dump = r.model_dump(mode="json")
         for field in SDE_SAMPLING:  # the forward-process arms sample with the ODE
@@ -156,12 +160,17 @@ def check_equal_budget(recipes: list) -> None:
     def exploration(r) -> dict:
         return {f"sampling.{f}": getattr(r.sampling, f) for f in SDE_SAMPLING}
 
+    def step(r) -> dict:
+        return {f"train.{f}": getattr(r.train, f) for f in STEP}
+
     first = budget(recipes[0])
     sde = [r for r in recipes if r.train.objective == "sde"]
     for r in recipes[1:]:
         diff = [k for k, v in budget(r).items() if v != first[k]]
         if r in sde and sde[0] is not r:
             diff += [k for k, v in exploration(r).items() if v != exploration(sde[0])[k]]
+        same_objective = next(q for q in recipes if q.train.objective == r.train.objective)
+        diff += [k for k, v in step(r).items() if v != step(same_objective)[k]]
         if diff:
             raise ValueError(f"arms {recipes[0].run.name} and {r.run.name} differ in {diff}: "
                              f"the comparison would not be at equal budget")

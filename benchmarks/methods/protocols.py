@@ -201,7 +201,9 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
              "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance}
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
-        "train.kl_target_nats": kl_target,  # None: a constant lr, whatever the recipe's
+        # None: a constant lr, whatever the recipe's; a forward-process arm has no likelihoods
+        # to measure a KL with, so it trains at the constant lr (`arms.STEP`)
+        "train.kl_target_nats": None if arm.overrides.get("train.objective") == "nft" else kl_target,
         **(settings or {}), "run.name": name, "run.seed": seed, "prompts.train": pool,
         "prompts.selection": "cycle"})
 
