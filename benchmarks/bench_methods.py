@@ -12,7 +12,8 @@ its field): the default, `cfg1-pool8` (the recipes' footing): CFG 1 for every ro
 evaluation, the pool's first 8 prompts, each iteration's lr set to move the policy 0.03 nats a
 sample and window step (from 1e-3), 3 seeds x 40 iterations of 8 prompts x 16 samples, probe 8
 images a prompt, final pool 16, hard and eval 2 on 64 prompts each
-(reports/cfg1-pool8-40it-kl003). `cfg1-pool8-lr4e-4`: the same at a constant lr 4e-4
+(reports/cfg1-pool8-40it-rank32 with the recipes' LoRA rank 32; reports/cfg1-pool8-40it-kl003
+with rank 8). `cfg1-pool8-lr4e-4`: the same at a constant lr 4e-4
 (reports/cfg1-pool8-40it-lr4e-4). `cfg4-pool32`: CFG 4 and a constant lr 1e-3 on all 32 pool
 prompts, 3 seeds x 16 iterations (`FULL`; reports/cast-vs-flowgrpo). `quick` (--quick): the
 default's footing for Flow-GRPO alone, 1 seed x 16 iterations (`QUICK`). `--suite` picks the

@@ -600,7 +600,7 @@ def test_pool_file_takes_the_pools_first_prompts(tmp_path):
 
 
 def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
-    """The default protocol is the recipes' footing that reports/cfg1-pool8-40it-kl003 ran (CFG 1,
+    """The default protocol is the recipes' footing that reports/cfg1-pool8-40it-rank32 ran (CFG 1,
     8 prompts, KL-targeted lr from 1e-3); --quick is its footing for Flow-GRPO alone at QUICK's
     size; the constant-lr protocols keep their reports' settings; every flag overrides its
     field."""
@@ -617,7 +617,7 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
     assert seen["size"] == p.size and seen["size"].iterations == 40
     assert (seen["guidance"], seen["pool_prompts"], seen["lr"], seen["kl_target"]) == (
         1.0, 8, 1e-3, 0.03)
-    assert seen["report"] == "reports/cfg1-pool8-40it-kl003" and seen["jobs"] == 1
+    assert seen["report"] == "reports/cfg1-pool8-40it-rank32" and seen["jobs"] == 1
     assert seen["settings"] == {}
     cli.main(["--quick"])
     assert seen["size"] == QUICK and seen["only"] == [BASELINE]

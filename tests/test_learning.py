@@ -52,6 +52,7 @@ def overfit_recipe(tmp_path: Path, recipe_file: str):
         # -0.085 (0.03 nats an iteration) and +0.24 / +0.10 / +0.05 (0.3 nats), CAST +0.13 /
         # +0.09 / +0.11 (0.3 nats): not a margin of 0.2 (2026-12-06)
         "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0, "train.kl_target_nats": None,
+        "train.lora_rank": 8, "train.lora_alpha": 8.0,
         "eval.splits": {"one": str(prompts)}, "eval.images_per_prompt": 32,
         "eval.max_prompts": None, "eval.seed_offset": 1000})
 

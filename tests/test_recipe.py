@@ -44,14 +44,16 @@ def test_committed_recipes_load(name, kind, mode, b, g):
 
 
 def test_the_shapes_recipes_train_on_the_benchmarks_footing():
-    """What learnt on the benchmark (reports/cfg1-pool8-40it-kl003): CFG-free rollouts and
-    evaluations, each iteration moving the policy 0.03 nats from lr 1e-3, 8 prompts x 16
-    samples; the three shapes recipes share every section but the method's own."""
+    """What learnt on the benchmark (reports/cfg1-pool8-40it-kl003, -rank32): CFG-free rollouts
+    and evaluations, each iteration moving the policy 0.03 nats from lr 1e-3, 8 prompts x 16
+    samples, a LoRA of rank 32; the three shapes recipes share every section but the method's
+    own."""
     recipes = {n: load_recipe(RECIPES / f"shapes-{n}.toml") for n in ("cast", "flowgrpo",
                                                                       "recast")}
     for r in recipes.values():
         assert r.sampling.guidance_scale == r.eval.guidance_scale == 1.0
         assert (r.train.lr, r.train.kl_target_nats) == (1e-3, 0.03)
+        assert (r.train.lora_rank, r.train.lora_alpha) == (32, 32.0)
         assert r.derived()["samples_per_iteration"] == 128
     cast, recast = (recipes[n].model_dump() for n in ("cast", "recast"))
     assert [k for k in cast if cast[k] != recast[k]] == ["run", "recast"]

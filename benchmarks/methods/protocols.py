@@ -91,9 +91,11 @@ class Protocol:
 CFG1_POOL8 = Size(iterations=40, seeds=3, per_iteration=8, group_size=16, probe_images=8,
                   pool_images=16, hard_images=2, eval_images=2, held_out_prompts=64)
 PROTOCOLS = {
-    # the default, the recipes' footing (why each protocol: reports/bench-methods-history.md)
+    # the default, the recipes' footing (why each protocol: reports/bench-methods-history.md);
+    # with the recipes' LoRA rank 8 it gave reports/cfg1-pool8-40it-kl003, rank 32 (theirs since
+    # 2026-12-06) reports/cfg1-pool8-40it-rank32
     "cfg1-pool8": Protocol(CFG1_POOL8, 1.0, 8, 1e-3, "runs/bench-cfg1-pool8/store",
-                           "reports/cfg1-pool8-40it-kl003",
+                           "reports/cfg1-pool8-40it-rank32",
                            "CFG 1, the pool's first 8 prompts, KL-targeted lr (0.03 nats an "
                            "iteration from 1e-3), 40 iterations", kl_target=0.03),
     # the same at a constant lr 4e-4
