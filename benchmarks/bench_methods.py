@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="run nothing: write the report from what the store holds (the "
                              "latest finished record of every stage), e.g. after a code change, "
                              "which would make every stage run again")
+    parser.add_argument("--reuse-finished", action="store_true",
+                        help="read the runs the store holds finished as they are (whatever code "
+                             "wrote them) and train only the others, e.g. new arms beside a "
+                             "finished baseline after a code change")
     for flag in ("seeds", "iterations", "per-iteration", "group-size", "probe-images",
                  "pool-images", "hard-images", "eval-images", "held-out-prompts"):
         parser.add_argument(f"--{flag}", type=int, default=None,
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,
                   command.strip(), args.suite, protocol.lr, only, quick=args.quick,
                   guidance=protocol.guidance, pool_prompts=protocol.pool_prompts, jobs=args.jobs,
-                  kl_target=protocol.kl_target, settings=settings, report_only=args.report_only)
+                  kl_target=protocol.kl_target, settings=settings, report_only=args.report_only,
+                  reuse_finished=args.reuse_finished)
 
 
 if __name__ == "__main__":

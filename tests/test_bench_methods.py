@@ -543,6 +543,14 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
     assert sorted(p.name for p in (tmp_path / "store").rglob("*.parquet")) == before
     assert again["summary"].gains == sm.gains and again["summary"].curve == sm.curve
     assert (tmp_path / "report3" / "figures.json").exists()
+    # --reuse-finished: the finished runs are read as they are, only a new arm trains
+    grown = run_benchmark(size, tmp_path / "store", tmp_path / "report4", "tiny", threads=1,
+                          only=[*names, "cast-atom-z"], reuse_finished=True)
+    new_parts = [p for p in (tmp_path / "store" / "tables").rglob("*.parquet")
+                 if p.name not in before and p.parent.name not in ("stages", "runs")]
+    assert new_parts and all("cast-atom-z" in p.name for p in new_parts), sorted(new_parts)
+    assert grown["summary"].gains[("cast", "hard", "mean_score")] == sm.gains[
+        ("cast", "hard", "mean_score")]
 
 
 def test_report_only_names_what_an_unfinished_store_lacks(tmp_path, monkeypatch):

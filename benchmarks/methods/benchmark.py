@@ -19,7 +19,7 @@ from methods.protocols import (
     run_name,
 )
 from methods.report import write_report
-from methods.run import evaluate_base, recorded_refs, train_runs
+from methods.run import evaluate_base, finished_refs, train_runs
 from methods.store_reads import read_results
 from methods.summary import summarise, summarise_recast
 
@@ -30,12 +30,16 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
                   quick: bool = False, guidance: float | None = None,
                   pool_prompts: int | None = None, jobs: int = 1,
                   kl_target: float | None = None, settings: dict | None = None,
-                  report_only: bool = False) -> dict:
+                  report_only: bool = False, reuse_finished: bool = False) -> dict:
     """Train every arm x seed with its probes, evaluate finals and base, summarise from the
     store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
     "wall_s"}. With `report_only` nothing runs: the report is written from the latest finished
     record of every stage in the store (`recorded_refs`), whatever the code version in its
-    cache key (every code change makes the calls run again)."""
+    cache key (every code change makes the calls run again). With `reuse_finished` the runs (and
+    the base evaluation) that the store holds finished are read so, and only the others run: arms
+    added to a finished store after a code change train alone (the report's recipes table says
+    which code each run's records carry only through their keys; that the results do not depend
+    on it is for the caller to know)."""
     from tasks.prompt_sets import load_prompts
     from tasks.run_pin import pin_recipe
     from tasks.store import Store
@@ -57,17 +61,19 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     for x in seeds:
         check_equal_budget([recipes[(a.name, x)] for a in arm_defs])
     check_paired_evals([base, *recipes.values()], passes)
-    if report_only:  # what the store holds, whatever code wrote it
-        refs = recorded_refs(store, [base.run.name], -1, passes)
-        refs |= recorded_refs(store, [r.run.name for r in recipes.values()], size.iterations,
-                              passes)
+    refs = {}
+    if report_only or reuse_finished:  # what the store holds, whatever code wrote it
+        refs = finished_refs(store, base.run.name, -1, passes, required=report_only)
+        for r in recipes.values():
+            refs |= finished_refs(store, r.run.name, size.iterations, passes,
+                                  required=report_only)
     for r in recipes.values():  # a run name reused with another recipe (another --lr, say) is
         pin_recipe(store, r)    # refused here, before any work mixes two recipes in one run
-    if not report_only:
-        refs = {base.run.name: evaluate_base(store, base, passes)}
-        order = [recipes[(arm_defs[(i + x) % len(arm_defs)].name, x)]  # rotate the order per
-                 for x in seeds for i in range(len(arm_defs))]          # seed
-        refs |= train_runs(store, order, size, passes, jobs)
+    if base.run.name not in refs:
+        refs[base.run.name] = evaluate_base(store, base, passes)
+    order = [recipes[(arm_defs[(i + x) % len(arm_defs)].name, x)]  # rotate the order per seed
+             for x in seeds for i in range(len(arm_defs))]
+    refs |= train_runs(store, [r for r in order if r.run.name not in refs], size, passes, jobs)
     last = size.iterations - 1
     outputs = {(base.run.name, -1, p): passes[p] for p in FINAL_SPLITS}
     outputs |= {(r.run.name, last, p): passes[p] for r in recipes.values() for p in FINAL_SPLITS}

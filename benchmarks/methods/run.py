@@ -100,3 +100,15 @@ def recorded_refs(store, runs: list[str], iterations: int, passes: dict[str, Eva
                                     f"the benchmark without --report-only to finish it")
         out[run] = refs
     return out
+
+
+def finished_refs(store, run: str, iterations: int, passes: dict[str, EvalPass],
+                  required: bool) -> dict:
+    """{run: refs} from `recorded_refs` when the store holds the run finished; {} when it does
+    not and not `required` (the caller runs it), else its FileNotFoundError."""
+    try:
+        return recorded_refs(store, [run], iterations, passes)
+    except FileNotFoundError:
+        if required:
+            raise
+        return {}
