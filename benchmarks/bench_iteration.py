@@ -75,7 +75,7 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     from tasks.models import load_policy, lora_tensors, scorer, set_threads
     from tasks.rollout_groups import decode_uint8, group_seeds, rollout_spec
     from tasks.score_atoms import atom_score_rows
-    from tasks.stage import derive_seed
+    from tasks.store.stage import derive_seed
     from tasks.train_epoch import pick_advantage, policy_config
 
     set_threads(recipe)
@@ -135,7 +135,7 @@ def stage_iteration(recipe, root: Path) -> dict:
     from tasks.report import iteration_report, next_iteration
     from tasks.rollout_groups import rollout_groups
     from tasks.score_atoms import score_atoms
-    from tasks.store import Store
+    from tasks.store.store import Store
     from tasks.train_epoch import train_epoch
 
     st, clock = Store(root), Clock()
@@ -157,14 +157,14 @@ def stage_iteration(recipe, root: Path) -> dict:
 
 def recorded_stage_seconds(root: Path, run_id: str, iteration: int) -> dict:
     """{stage: body seconds} of an iteration from the store's completion records."""
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     rows = Store(root).read_table("stages", {"run_id": run_id, "iteration": iteration}).to_pylist()
     return {r["stage"]: (r["finished_at"] - r["started_at"]).total_seconds() for r in rows}
 
 
 def stored_lora(root: Path, run_id: str) -> dict:
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     st = Store(root)
     row = st.read_table("checkpoints", {"run_id": run_id, "iteration": 0}).to_pylist()[0]
@@ -251,7 +251,7 @@ def measure(recipe_path: str, overrides: dict, repeats: int, work: Path) -> dict
     from tasks.calibrate_window import calibrate_window, read_window
     from tasks.recipe import load_recipe
     from tasks.rollout_groups import select_prompts
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     recipe = load_recipe(recipe_path, overrides or None)
     run_id, load_before = recipe.run.name, os.getloadavg()

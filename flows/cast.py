@@ -1,9 +1,10 @@
 """Flow `cast`: one RL iteration (k = last finished + 1, or `iteration`) of a recipe.
 
 Deployed as `cast/train-iteration` (prefect.yaml). Every stage is a cached, resumable task
-(tasks/stage.py); re-running after a crash finishes the iteration and skips finished stages. With
-`recast.weighting = "recast"` the ReCAST gains of the policy (re-estimated every `recast.every`
-iterations) run before training, which weights each atom type's share of the map per step.
+(tasks/store/stage.py); re-running after a crash finishes the iteration and skips finished stages.
+With `recast.weighting = "recast"` the ReCAST gains of the policy (re-estimated every
+`recast.every` iterations) run before training, which weights each atom type's share of the map
+per step.
 
     .venv/bin/python -m flows.cast --recipe data/recipes/shapes-cast.toml
 
@@ -48,7 +49,7 @@ from tasks.recast_gains import gains_for_training_task
 from tasks.report import iteration_report_task, next_iteration_task, store_root
 from tasks.rollout_groups import rollout_task
 from tasks.score_atoms import score_atoms_task
-from tasks.store import Store
+from tasks.store.store import Store
 from tasks.train_epoch import train_epoch_task
 
 TASKS = Stages(build_csgs_task, calibrate_window_task, rollout_task, score_atoms_task,

@@ -43,7 +43,7 @@ from flows.preflight import checked_recipe
 from tasks.eval_report import default_out, write_report_task
 from tasks.evaluate_checkpoint import eval_report_task, evaluate_task, latest_checkpoint_task
 from tasks.report import store_root
-from tasks.store import Store
+from tasks.store.store import Store
 
 
 @flow(name="cast-eval", log_prints=True)

@@ -13,9 +13,9 @@ from cast_core.shapes.prompts import PromptFileError
 from tasks.models import builder_id, graph_builder
 from tasks.prompt_sets import prompt_lines
 from tasks.recipe import Recipe
-from tasks.schemas import prompt_id
-from tasks.stage import RUN_LEVEL, StageRef, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import RUN_LEVEL, StageRef, make_key, run_stage, stage_task
+from tasks.store.store import Store
 
 STAGE = "build_csgs"
 

@@ -23,9 +23,9 @@ from tasks.plots import plot_calibration
 from tasks.progress import stage_progress
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
-from tasks.schemas import prompt_id
-from tasks.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.store.store import Store
 
 STAGE = "calibrate_window"
 

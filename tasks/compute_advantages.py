@@ -34,8 +34,8 @@ from cast_core.batch_credit import AtomBatch, BatchCredit, CreditConfig, batch_c
 from cast_core.csg.graph import ATOM_TYPES
 from tasks.recipe import AdvantageSection, Recipe
 from tasks.score_atoms import load_rollout_rows
-from tasks.stage import StageRef, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.store.stage import StageRef, make_key, run_stage, stage_task
+from tasks.store.store import Store
 
 STAGE = "compute_advantages"
 

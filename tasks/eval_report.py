@@ -36,7 +36,7 @@ from prefect import task
 from tasks.markdown import table
 from tasks.plots import figure, png
 from tasks.report import store_root
-from tasks.store import Store, atomic_write_bytes
+from tasks.store.store import Store, atomic_write_bytes
 
 REPORT = "report.md"
 GROUP_KINDS = (("tag", "strict_accuracy", "strict"), ("atom_count", "strict_accuracy", "strict"),

@@ -48,8 +48,8 @@ from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
 from tasks.rollout_groups import contact_sheet
 from tasks.score_atoms import score_in_chunks
-from tasks.stage import StageRef, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.store.stage import StageRef, make_key, run_stage, stage_task
+from tasks.store.store import Store
 
 STAGE = "evaluate"
 

@@ -25,7 +25,7 @@ from cast_core.csg.parser import graph_from_geneval
 from cast_core.hub_snapshot import model_identity
 from cast_core.policy import add_lora
 from tasks.recipe import Recipe
-from tasks.stage import derive_seed
+from tasks.store.stage import derive_seed
 
 
 def set_threads(recipe: Recipe) -> None:

@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 
 from tasks.models import base_hash
 from tasks.recipe import Recipe
-from tasks.store import Store
+from tasks.store.store import Store
 
 
 @dataclass(frozen=True)

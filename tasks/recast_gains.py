@@ -62,9 +62,9 @@ from tasks.plots import plot_recast_gains
 from tasks.policy_state import policy_for
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe
-from tasks.schemas import prompt_id
-from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.store.store import Store
 
 STAGE = "recast_gains"
 RENDERER = "renderer"

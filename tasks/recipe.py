@@ -14,7 +14,7 @@ Every section and field is checked (pydantic, `extra = "forbid"`): an unknown or
 value outside the allowed set, or a float that is not finite (inf or nan, in any field), raises
 `RecipeError` naming the file, the field and what is allowed. `Recipe.derived()` gives the
 quantities the pipeline computes from the recipe; the flows print them at start. `Recipe.pinned()`
-gives the fields that change a run's results, to which a run is pinned (`tasks.run_pin`).
+gives the fields that change a run's results, to which a run is pinned (`tasks.store.run_pin`).
 """
 
 from __future__ import annotations
@@ -503,7 +503,7 @@ class Recipe(_Section):
         return hashlib.sha256(text.encode()).hexdigest()
 
     def pinned(self) -> dict[str, dict[str, Any]]:
-        """The fields a run is pinned to (`tasks.run_pin`): every section but
+        """The fields a run is pinned to (`tasks.store.run_pin`): every section but
         `unpinned_sections`, without each section's `unpinned` fields, and without `hash_if_set`
         fields at their default (so a field added later does not unpin older runs)."""
         dump = self._dump_without_unset_later_fields()

@@ -22,9 +22,9 @@ import numpy as np
 from prefect import task
 
 from tasks.contact_sheet import SheetRow, labelled_sheet
-from tasks.locations import store_root
 from tasks.recipe import Recipe
-from tasks.store import Store
+from tasks.store.locations import store_root
+from tasks.store.store import Store
 
 __all__ = ["iteration_report", "iteration_report_task", "next_iteration", "next_iteration_task",
            "report_paths", "store_root"]

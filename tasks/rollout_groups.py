@@ -33,8 +33,8 @@ from tasks.models import load_policy, set_threads
 from tasks.policy_state import policy_for
 from tasks.progress import stage_progress
 from tasks.recipe import Recipe
-from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.store.stage import StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.store.store import Store
 
 STAGE = "rollout"
 

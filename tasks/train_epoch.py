@@ -84,8 +84,8 @@ from tasks.recast_gains import reward_step_weights
 from tasks.recipe import Recipe
 from tasks.rollout_groups import rollout_spec
 from tasks.score_atoms import load_graphs, load_rollout_rows
-from tasks.stage import StageRef, StageRefused, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.store.stage import StageRef, StageRefused, derive_seed, make_key, run_stage, stage_task
+from tasks.store.store import Store
 
 STAGE = "train_epoch"
 

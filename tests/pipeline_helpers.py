@@ -22,8 +22,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from tasks.recipe import Recipe, load_recipe
-from tasks.schemas import TABLES
-from tasks.store import Store
+from tasks.store.schemas import TABLES
+from tasks.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 CI_RECIPE = REPO / "data" / "recipes" / "shapes-ci.toml"

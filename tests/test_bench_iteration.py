@@ -14,7 +14,7 @@ from tasks.build_csgs import build_csgs
 from tasks.calibrate_window import calibrate_window, read_window
 from tasks.recipe import load_recipe
 from tasks.rollout_groups import select_prompts
-from tasks.store import Store
+from tasks.store.store import Store
 
 
 @pytest.mark.parametrize("recipe_name", ["shapes-cast", "shapes-flowgrpo"])

@@ -19,7 +19,7 @@ from tasks.evaluate_checkpoint import (
     evaluate_checkpoint,
     read_image_scores,
 )
-from tasks.store import Store
+from tasks.store.store import Store
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 

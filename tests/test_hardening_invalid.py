@@ -14,8 +14,8 @@ from cast_core.shapes.prompts import PromptFileError
 from tasks.build_csgs import build_csgs
 from tasks.prompt_sets import load_prompts
 from tasks.recipe import Recipe, RecipeError, load_recipe
-from tasks.stage import StageRefused, run_stage
-from tasks.store import Store
+from tasks.store.stage import StageRefused, run_stage
+from tasks.store.store import Store
 from tasks.train_epoch import NonFiniteWeights
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tasks.recipe import load_recipe
-from tasks.store import Store
+from tasks.store.store import Store
 
 RECIPES = Path(__file__).resolve().parents[1] / "data" / "recipes"
 RECORD = {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "blue"}],

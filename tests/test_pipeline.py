@@ -28,7 +28,7 @@ from cast_core.policy import kl_targeted_lr
 from tasks.calibrate_window import calibrate_window, read_window
 from tasks.models import load_base, load_policy
 from tasks.policy_state import policy_for
-from tasks.store import Store
+from tasks.store.store import Store
 from tasks.train_epoch import train_epoch
 
 

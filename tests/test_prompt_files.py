@@ -13,7 +13,7 @@ from cast_core.csg.parser import MAX_PROMPT_CHARS, parse_prompt
 from cast_core.shapes.prompts import PromptFileError, load_prompt_file
 from tasks.prompt_sets import load_prompts, prompt_lines
 from tasks.recipe import load_recipe
-from tasks.store import Store
+from tasks.store.store import Store
 
 REAL = {"backbone.family": "flux2", "backbone.height": 64, "backbone.width": 64}
 CAT = {"tag": "colors", "prompt": "a photo of a red cat",

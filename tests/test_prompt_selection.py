@@ -10,7 +10,7 @@ from pipeline_helpers import ci_recipe
 
 from tasks.build_csgs import build_csgs
 from tasks.rollout_groups import cycle_positions, select_prompts
-from tasks.store import Store
+from tasks.store.store import Store
 
 POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "pool.jsonl"
 

@@ -40,7 +40,7 @@ from tasks.evaluate_checkpoint import eval_report, evaluate_checkpoint
 from tasks.models import load_base, load_policy, scorer
 from tasks.recipe import Recipe, parse_recipe
 from tasks.report import iteration_report
-from tasks.store import Store
+from tasks.store.store import Store
 
 SIZES = {"flux2": (64, 64), "qwen_image": (64, 96)}  # (H, W); Qwen-Image's token grid is 8 x 12
 RECORDS = [

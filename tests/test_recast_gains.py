@@ -35,9 +35,9 @@ from tasks.recast_gains import (
 )
 from tasks.recast_gains import recast_gains as recast_stage
 from tasks.recipe import load_recipe
-from tasks.schemas import prompt_id
-from tasks.stage import derive_seed
-from tasks.store import Store
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import derive_seed
+from tasks.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.cli import EXAMPLE_QUERIES, main
-from tasks.schemas import TABLES, SchemaError, duckdb_type, prompt_id
-from tasks.store import Store
+from tasks.store.schemas import TABLES, SchemaError, duckdb_type, prompt_id
+from tasks.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,7 +164,7 @@ def test_read_table_filters(tmp_path):
 
 
 def test_read_output_reads_a_stages_own_part_in_file_order_and_checks_the_schema(tmp_path):
-    from tasks.stage import StageRef
+    from tasks.store.stage import StageRef
 
     store = Store(tmp_path)
     rows = [_atom_row("p", i) for i in (2, 0, 1)]

@@ -37,8 +37,8 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     record of every stage in the store (`recorded_refs`), whatever the code version in its
     cache key (every code change makes the calls run again)."""
     from tasks.prompt_sets import load_prompts
-    from tasks.run_pin import pin_recipe
-    from tasks.store import Store
+    from tasks.store.run_pin import pin_recipe
+    from tasks.store.store import Store
 
     start, store = time.perf_counter(), Store(store_dir)
     arm_defs, seeds = select_arms(suite, only), list(range(size.seeds))

@@ -38,7 +38,7 @@ def train_run(store, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
 def _train_run_in_worker(store_dir: str, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
     """`train_run` in a worker process: its own Store on the same root (every write is atomic and
     the catalog rebuild is locked, so runs of different names may write side by side)."""
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     return train_run(Store(store_dir), recipe, size, passes)
 
@@ -73,7 +73,7 @@ def recorded_refs(store, runs: list[str], iterations: int, passes: dict[str, Eva
     its `evals` part names. Raises FileNotFoundError naming what a run has not finished."""
     from tasks.evaluate_checkpoint import STAGE as EVALUATE
     from tasks.evaluate_checkpoint import evals_part
-    from tasks.stage import StageRef
+    from tasks.store.stage import StageRef
 
     out = {}
     for run in runs:

@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tasks.recipe import Recipe
-from tasks.stage import code_version
-from tasks.store import Store, parquet_readable
+from tasks.store.stage import code_version
+from tasks.store.store import Store, parquet_readable
 
 TABLE = "runs"
 

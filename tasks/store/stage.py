@@ -17,9 +17,9 @@ Invalid output is never recorded: a body that raises `StageRefused` (e.g. non-fi
 or writes a table part with no rows leaves a `stage_failures` row saying why, no completion row,
 and the error propagates (the flow exits non-zero).
 
-The Prefect wrapper also guards each stage before it runs (`tasks.integrity.guard_stage`): the run
-must be pinned to this recipe (`tasks.run_pin`), and a training iteration's stages first check what
-the iteration builds on (the run-level outputs and the previous iteration's) against their
+The Prefect wrapper also guards each stage before it runs (`tasks.store.integrity.guard_stage`):
+the run must be pinned to this recipe (`tasks.store.run_pin`), and a training iteration's stages
+first check what the iteration builds on (the run-level outputs and the previous iteration's) against their
 recorded hashes, rebuilding a damaged one when its recorded inputs allow.
 
 Run-level stages (CSGs, window calibration) are recorded with iteration RUN_LEVEL (-1).
@@ -38,10 +38,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tasks.store import BlobRef, StageRecord, Store, TableRef
+from tasks.store.store import BlobRef, StageRecord, Store, TableRef
 
 RUN_LEVEL = -1
 _PACKAGES = ("cast_core", "tasks")
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # this file is tasks/store/stage.py
 
 
 class StageRefused(RuntimeError):
@@ -90,15 +91,20 @@ class StageRef:
         return hits[0]
 
 
+def source_files() -> list[Path]:
+    """Every .py file under cast_core/ and tasks/ (their subpackages included), package by
+    package, each package's files sorted: what `code_version` hashes."""
+    return [path for package in _PACKAGES
+            for path in sorted((_REPO_ROOT / package).rglob("*.py"))]
+
+
 @functools.cache
 def code_version() -> str:
     """sha256 over the Python sources of cast_core and tasks (relative path + bytes), 16 hex."""
-    root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for package in _PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-            digest.update(path.read_bytes())
+    for path in source_files():
+        digest.update(path.relative_to(_REPO_ROOT).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -157,7 +163,7 @@ def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., st
     Prefect's result cache is keyed on `key_fn` (the stage's content-hash key, called with the
     parameters it names) but only once the store confirms the stage is done; results are
     persisted as JSON (never pickle) under Prefect's local storage path. The task runs
-    `tasks.integrity.guard_stage` before `fn` (recipe pin; inputs of a training iteration).
+    `tasks.store.integrity.guard_stage` before `fn` (recipe pin; inputs of a training iteration).
     """
     from prefect import task
 
@@ -166,7 +172,7 @@ def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., st
 
     @functools.wraps(fn)
     def guarded(*args, **kwargs) -> StageRef:
-        from tasks.integrity import guard_stage  # not at the top: it imports this module
+        from tasks.store.integrity import guard_stage  # not at the top: it imports this module
 
         bound = signature.bind(*args, **kwargs).arguments
         guard_stage(bound["store"], bound["recipe"], stage, bound.get("iteration", RUN_LEVEL))

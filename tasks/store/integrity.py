@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cast_core.hub_snapshot import file_sha256
-from tasks import stage as stage_protocol  # code_version looked up at call time
 from tasks.recipe import Recipe
-from tasks.run_pin import pin_recipe
-from tasks.stage import RUN_LEVEL, StageRef
-from tasks.store import (
+from tasks.store import stage as stage_protocol  # code_version looked up at call time
+from tasks.store.run_pin import pin_recipe
+from tasks.store.stage import RUN_LEVEL, StageRef
+from tasks.store.store import (
     BlobRef,
     StageRecord,
     Store,
