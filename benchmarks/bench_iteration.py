@@ -132,7 +132,7 @@ def stage_iteration(recipe, root: Path) -> dict:
     from tasks.build_csgs import build_csgs
     from tasks.calibrate_window import calibrate_window
     from tasks.compute_advantages import compute_advantages
-    from tasks.report import iteration_report, next_iteration
+    from tasks.reporting.report import iteration_report, next_iteration
     from tasks.rollout_groups import rollout_groups
     from tasks.score_atoms import score_atoms
     from tasks.store.store import Store

@@ -30,7 +30,7 @@ from cast_core.shapes.sensitivity import (
     word_sensitivity,
 )
 from tasks.evaluate import evaluate_records
-from tasks.markdown import table
+from tasks.reporting.markdown import table
 
 
 def format_table(title: str, results) -> str:

@@ -46,7 +46,7 @@ from tasks.calibrate_window import calibrate_window_task
 from tasks.compute_advantages import compute_advantages_task
 from tasks.iteration import Stages, run_iteration, run_setup
 from tasks.recast_gains import gains_for_training_task
-from tasks.report import iteration_report_task, next_iteration_task, store_root
+from tasks.reporting.report import iteration_report_task, next_iteration_task, store_root
 from tasks.rollout_groups import rollout_task
 from tasks.score_atoms import score_atoms_task
 from tasks.store.store import Store

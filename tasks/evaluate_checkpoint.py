@@ -252,7 +252,7 @@ def latest_checkpoint(store: Store, recipe: Recipe) -> int:
 
 def eval_report(store: Store, recipe: Recipe, iteration: int) -> dict:
     """Refresh the catalog and print this checkpoint's table per group (and the history)."""
-    from tasks.report import format_rows
+    from tasks.reporting.report import format_rows
 
     store.refresh_catalog()
     con = store.connect_readonly()

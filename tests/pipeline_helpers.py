@@ -60,7 +60,7 @@ def run_iteration(store: Store, recipe: Recipe, iteration: int | None = None,
                   markers: Path | None = None) -> dict:
     """build_csgs, calibrate_window and one iteration's stages -> {stage: StageRef}."""
     from tasks.iteration import plain_stages, run_iteration, run_setup
-    from tasks.report import next_iteration
+    from tasks.reporting.report import next_iteration
 
     def start(stage: str) -> None:
         if markers is not None:

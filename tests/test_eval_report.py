@@ -25,9 +25,9 @@ from pipeline_helpers import (
 
 from cast_core.diagnostics import high_frequency_energy, param_change_norm
 from cast_core.shapes.prompts import load_prompt_file
-from tasks.eval_report import REPORT, main, write_report
 from tasks.evaluate_checkpoint import evaluate_checkpoint
 from tasks.models import graph_builder, load_policy
+from tasks.reporting.eval_report import REPORT, main, write_report
 from tasks.store.schemas import TABLES
 from tasks.store.store import Store
 
@@ -233,7 +233,7 @@ import json, sys
 from prefect import flow
 from prefect.artifacts import Artifact
 from flows.evaluate import cast_eval
-from tasks.eval_report import write_report_task
+from tasks.reporting.eval_report import write_report_task
 from tasks.store.store import Store
 
 recipe, root, overrides, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]

@@ -20,7 +20,7 @@ from tasks import score_atoms
 from tasks.build_csgs import build_csgs_task
 from tasks.evaluate_checkpoint import evaluate_checkpoint
 from tasks.recipe import Recipe
-from tasks.report import iteration_report
+from tasks.reporting.report import iteration_report
 from tasks.rollout_groups import rollout_groups, rollout_task
 from tasks.store.integrity import (
     DamagedOutputError,

@@ -35,11 +35,11 @@ from cast_core import hub_snapshot
 from cast_core.scorers.registry import ScorerArgs, load_scorer
 from flows.scorer_service import make_app, serve_in_thread
 from tasks import models
-from tasks.eval_report import write_report
 from tasks.evaluate_checkpoint import eval_report, evaluate_checkpoint
 from tasks.models import load_base, load_policy, scorer
 from tasks.recipe import Recipe, parse_recipe
-from tasks.report import iteration_report
+from tasks.reporting.eval_report import write_report
+from tasks.reporting.report import iteration_report
 from tasks.store.store import Store
 
 SIZES = {"flux2": (64, 64), "qwen_image": (64, 96)}  # (H, W); Qwen-Image's token grid is 8 x 12

@@ -28,7 +28,7 @@ from methods.tables import (
     time_table,
     type_gain_table,
 )
-from tasks.markdown import table
+from tasks.reporting.markdown import table
 
 HISTORY = Path(__file__).resolve().parents[2] / "reports" / "bench-methods-history.md"
 TRIED_HEADING = "## What was tried"

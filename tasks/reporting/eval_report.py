@@ -1,7 +1,8 @@
 """The evaluation report of one run: the store's tables and blobs -> `report.md` with PNG plots
 beside it, linked relatively, for a person to read.
 
-    .venv/bin/python -m tasks.eval_report --store runs/store --run shapes-cast --out runs/report
+    .venv/bin/python -m tasks.reporting.eval_report --store runs/store --run shapes-cast \\
+        --out runs/report
 
 The eval flow (`flows/evaluate.py`) writes it after each evaluation, to `<store>/reports/<run>/`
 unless told otherwise. Sections: strict accuracy and mean atom score by iteration per split; per
@@ -33,9 +34,9 @@ import numpy as np
 import torch
 from prefect import task
 
-from tasks.markdown import table
 from tasks.plots import figure, png
-from tasks.report import store_root
+from tasks.reporting.markdown import table
+from tasks.reporting.report import store_root
 from tasks.store.store import Store, atomic_write_bytes
 
 REPORT = "report.md"

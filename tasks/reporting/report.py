@@ -2,9 +2,9 @@
 (refresh the DuckDB catalog, query this iteration's atom scores and training diagnostics, print
 where results are).
 
-The report also draws the iteration's labelled rollout contact sheet (`tasks.contact_sheet`: the
-prompt above each row, each sample's mean atom score under it) and copies the run's window
-calibration plot, both into `<store>/reports/<run>/` (`report_paths`), and inside a Prefect run
+The report also draws the iteration's labelled rollout contact sheet
+(`tasks.reporting.contact_sheet`: the prompt above each row, each sample's mean atom score under
+it) and copies the run's window calibration plot, both into `<store>/reports/<run>/` (`report_paths`), and inside a Prefect run
 attaches both as image artifacts, so they show in the UI.
 """
 
@@ -21,8 +21,8 @@ import duckdb
 import numpy as np
 from prefect import task
 
-from tasks.contact_sheet import SheetRow, labelled_sheet
 from tasks.recipe import Recipe
+from tasks.reporting.contact_sheet import SheetRow, labelled_sheet
 from tasks.store.locations import store_root
 from tasks.store.store import Store
 
