@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.iteration import RUN_STAGES
+from tasks.stages.iteration import RUN_STAGES
 
 TARGET_FLOW_S = 45.0  # a default iteration (16 prompts x 8 samples) finishes in <= ~45 s wall
 TARGET_OVERHEAD = 0.10  # orchestration + store overhead <= 10% against the bare arm
@@ -71,12 +71,12 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     from cast_core.csg.graph import ATOM_TYPES, SceneGraph
     from cast_core.policy import linear_warmup_lr, policy_update
     from cast_core.rollout import rollout
-    from tasks.compute_advantages import atom_batch, credit_config
-    from tasks.models import load_policy, lora_tensors, scorer, set_threads
-    from tasks.rollout_groups import decode_uint8, group_seeds, rollout_spec
-    from tasks.score_atoms import atom_score_rows
+    from tasks.stages.compute_advantages import atom_batch, credit_config
+    from tasks.stages.models import load_policy, lora_tensors, scorer, set_threads
+    from tasks.stages.rollout import decode_uint8, group_seeds, rollout_spec
+    from tasks.stages.score_atoms import atom_score_rows
+    from tasks.stages.train_epoch import pick_advantage, policy_config
     from tasks.store.stage import derive_seed
-    from tasks.train_epoch import pick_advantage, policy_config
 
     set_threads(recipe)
     clock, g, cfg, tr = Clock(), recipe.prompts.group_size, recipe.advantage, recipe.train
@@ -129,14 +129,14 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
 
 def stage_iteration(recipe, root: Path) -> dict:
     """Run-level stages, then one iteration, through the stage functions on a fresh store."""
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window
-    from tasks.compute_advantages import compute_advantages
     from tasks.reporting.report import iteration_report, next_iteration
-    from tasks.rollout_groups import rollout_groups
-    from tasks.score_atoms import score_atoms
+    from tasks.stages.build_csgs import build_csgs
+    from tasks.stages.calibrate_window import calibrate_window
+    from tasks.stages.compute_advantages import compute_advantages
+    from tasks.stages.rollout import rollout_groups
+    from tasks.stages.score_atoms import score_atoms
+    from tasks.stages.train_epoch import train_epoch
     from tasks.store.store import Store
-    from tasks.train_epoch import train_epoch
 
     st, clock = Store(root), Clock()
     csgs = clock.run("build_csgs", build_csgs, st, recipe)
@@ -224,7 +224,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    from tasks.recipe import parse_overrides
+    from tasks.stages.recipe import parse_overrides
 
     overrides = parse_overrides(args.set)
     if args.threads is not None:
@@ -247,10 +247,10 @@ def main() -> None:
 
 
 def measure(recipe_path: str, overrides: dict, repeats: int, work: Path) -> dict:
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window, read_window
-    from tasks.recipe import load_recipe
-    from tasks.rollout_groups import select_prompts
+    from tasks.stages.build_csgs import build_csgs
+    from tasks.stages.calibrate_window import calibrate_window, read_window
+    from tasks.stages.recipe import load_recipe
+    from tasks.stages.rollout import select_prompts
     from tasks.store.store import Store
 
     recipe = load_recipe(recipe_path, overrides or None)

@@ -138,7 +138,7 @@ def _warn_excluded(con: duckdb.DuckDBPyConnection, store: Store) -> None:
 
 
 def _verify(store: Store, args: argparse.Namespace) -> int:
-    from tasks.recipe import RecipeError, load_recipe, parse_overrides
+    from tasks.stages.recipe import RecipeError, load_recipe, parse_overrides
     from tasks.store.integrity import DamagedOutputError, repair, verify_store
 
     if args.repair:

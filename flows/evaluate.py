@@ -40,9 +40,9 @@ if __name__ == "__main__":  # before the slow imports below: see flows.launch
 from prefect import flow
 
 from flows.preflight import checked_recipe
-from tasks.evaluate_checkpoint import eval_report_task, evaluate_task, latest_checkpoint_task
 from tasks.reporting.eval_report import default_out, write_report_task
 from tasks.reporting.report import store_root
+from tasks.stages.evaluate import eval_report_task, evaluate_task, latest_checkpoint_task
 from tasks.store.store import Store
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tasks.recipe import Recipe, load_recipe
+from tasks.stages.recipe import Recipe, load_recipe
 from tasks.store.schemas import TABLES
 from tasks.store.store import Store
 
@@ -59,8 +59,8 @@ def ci_recipe(prompts: Path, **extra) -> Recipe:
 def run_iteration(store: Store, recipe: Recipe, iteration: int | None = None,
                   markers: Path | None = None) -> dict:
     """build_csgs, calibrate_window and one iteration's stages -> {stage: StageRef}."""
-    from tasks.iteration import plain_stages, run_iteration, run_setup
     from tasks.reporting.report import next_iteration
+    from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 
     def start(stage: str) -> None:
         if markers is not None:

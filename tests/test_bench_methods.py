@@ -53,7 +53,7 @@ from methods.store_reads import Results
 from methods.summary import ITERATION_STAGES, one_change, summarise
 from methods.tables import one_change_table, type_gain_table, type_gains
 
-from tasks.iteration import RUN_STAGES
+from tasks.stages.iteration import RUN_STAGES
 
 # ---- statistics ---------------------------------------------------------------------------
 

@@ -25,9 +25,9 @@ from pipeline_helpers import (
 
 from cast_core.diagnostics import high_frequency_energy, param_change_norm
 from cast_core.shapes.prompts import load_prompt_file
-from tasks.evaluate_checkpoint import evaluate_checkpoint
-from tasks.models import graph_builder, load_policy
 from tasks.reporting.eval_report import REPORT, main, write_report
+from tasks.stages.evaluate import evaluate_checkpoint
+from tasks.stages.models import graph_builder, load_policy
 from tasks.store.schemas import TABLES
 from tasks.store.store import Store
 

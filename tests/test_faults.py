@@ -30,8 +30,8 @@ from pipeline_helpers import (
     temp_files,
 )
 
-from tasks.build_csgs import build_csgs
-from tasks.calibrate_window import calibrate_window
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.calibrate_window import calibrate_window
 from tasks.store.schemas import TABLES
 from tasks.store.store import Store
 

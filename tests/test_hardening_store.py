@@ -16,12 +16,12 @@ from pipeline_helpers import CI_RECIPE, SMALL, reference, run_iteration
 
 from cast_core.hub_snapshot import file_sha256
 from flows.cli import main
-from tasks import score_atoms
-from tasks.build_csgs import build_csgs_task
-from tasks.evaluate_checkpoint import evaluate_checkpoint
-from tasks.recipe import Recipe
 from tasks.reporting.report import iteration_report
-from tasks.rollout_groups import rollout_groups, rollout_task
+from tasks.stages import score_atoms
+from tasks.stages.build_csgs import build_csgs_task
+from tasks.stages.evaluate import evaluate_checkpoint
+from tasks.stages.recipe import Recipe
+from tasks.stages.rollout import rollout_groups, rollout_task
 from tasks.store.integrity import (
     DamagedOutputError,
     current_records,

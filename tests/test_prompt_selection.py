@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import ci_recipe
 
-from tasks.build_csgs import build_csgs
-from tasks.rollout_groups import cycle_positions, select_prompts
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.rollout import cycle_positions, select_prompts
 from tasks.store.store import Store
 
 POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "pool.jsonl"

@@ -36,7 +36,7 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     "wall_s"}. With `report_only` nothing runs: the report is written from the latest finished
     record of every stage in the store (`recorded_refs`), whatever the code version in its
     cache key (every code change makes the calls run again)."""
-    from tasks.prompt_sets import load_prompts
+    from tasks.stages.prompt_sets import load_prompts
     from tasks.store.run_pin import pin_recipe
     from tasks.store.store import Store
 

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from prefect import task
 
-from tasks.plots import figure, png
 from tasks.reporting.markdown import table
 from tasks.reporting.report import store_root
+from tasks.stages.plots import figure, png
 from tasks.store.store import Store, atomic_write_bytes
 
 REPORT = "report.md"
@@ -163,7 +163,7 @@ def _atom_type_plot(rows: list[dict], first: int, last: int) -> bytes:
 def _calibration_plot(curve: list[dict], window: dict) -> bytes:
     from cast_core.calibration import Calibration
     from cast_core.window import FormationPoint, SdeWindow
-    from tasks.plots import plot_calibration
+    from tasks.stages.plots import plot_calibration
 
     mean = torch.tensor([r["similarity_mean"] for r in curve], dtype=torch.float64)
     std = torch.tensor([r["similarity_std"] for r in curve], dtype=torch.float64)

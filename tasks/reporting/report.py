@@ -21,8 +21,8 @@ import duckdb
 import numpy as np
 from prefect import task
 
-from tasks.recipe import Recipe
 from tasks.reporting.contact_sheet import SheetRow, labelled_sheet
+from tasks.stages.recipe import Recipe
 from tasks.store.locations import store_root
 from tasks.store.store import Store
 

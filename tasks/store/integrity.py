@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cast_core.hub_snapshot import file_sha256
-from tasks.recipe import Recipe
+from tasks.stages.recipe import Recipe
 from tasks.store import stage as stage_protocol  # code_version looked up at call time
 from tasks.store.run_pin import pin_recipe
 from tasks.store.stage import RUN_LEVEL, StageRef
@@ -205,11 +205,11 @@ def _stage_call(store: Store, recipe: Recipe, stage: str,
                 iteration: int) -> tuple[str, Callable[[], StageRef]]:
     """(the stage's cache key now, a call that runs it) from the current intact records of its
     inputs; NotRebuildable for a stage this module does not rebuild."""
-    from tasks import (
+    from tasks.stages import (
         build_csgs,
         calibrate_window,
         compute_advantages,
-        rollout_groups,
+        rollout,
         score_atoms,
         train_epoch,
     )
@@ -226,8 +226,8 @@ def _stage_call(store: Store, recipe: Recipe, stage: str,
     csgs = up("build_csgs", RUN_LEVEL)
     if stage == "rollout":
         window = up("calibrate_window", RUN_LEVEL)
-        return (rollout_groups.cache_key(store, recipe, csgs, window, i),
-                lambda: rollout_groups.rollout_groups(store, recipe, csgs, window, i))
+        return (rollout.cache_key(store, recipe, csgs, window, i),
+                lambda: rollout.rollout_groups(store, recipe, csgs, window, i))
     rollouts = up("rollout", i)
     if stage == "score_atoms":
         return (score_atoms.cache_key(store, recipe, csgs, rollouts),

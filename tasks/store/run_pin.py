@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tasks.recipe import Recipe
+from tasks.stages.recipe import Recipe
 from tasks.store.stage import code_version
 from tasks.store.store import Store, parquet_readable
 

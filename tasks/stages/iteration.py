@@ -32,13 +32,13 @@ class Stages:
 
 def plain_stages() -> Stages:
     """The stages as plain functions (no Prefect), imported on first use."""
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window
-    from tasks.compute_advantages import compute_advantages
-    from tasks.recast_gains import gains_for_training
-    from tasks.rollout_groups import rollout_groups
-    from tasks.score_atoms import score_atoms
-    from tasks.train_epoch import train_epoch
+    from tasks.stages.build_csgs import build_csgs
+    from tasks.stages.calibrate_window import calibrate_window
+    from tasks.stages.compute_advantages import compute_advantages
+    from tasks.stages.recast_gains import gains_for_training
+    from tasks.stages.rollout import rollout_groups
+    from tasks.stages.score_atoms import score_atoms
+    from tasks.stages.train_epoch import train_epoch
 
     return Stages(build_csgs, calibrate_window, rollout_groups, score_atoms, compute_advantages,
                   gains_for_training, train_epoch)

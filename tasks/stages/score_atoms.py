@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from cast_core.csg.graph import SceneGraph
-from tasks.models import Scorer, scorer, scorer_id, set_threads
-from tasks.recipe import Recipe
+from tasks.stages.models import Scorer, scorer, scorer_id, set_threads
+from tasks.stages.recipe import Recipe
 from tasks.store.stage import StageRef, make_key, run_stage, stage_task
 from tasks.store.store import Store
 

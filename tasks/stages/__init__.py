@@ -1,0 +1,2 @@
+"""The stages: one module per stage, named as its stage.
+"""
