@@ -129,10 +129,11 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
 
 def stage_iteration(recipe, root: Path) -> dict:
     """Run-level stages, then one iteration, through the stage functions on a fresh store."""
-    from tasks.reporting.report import iteration_report, next_iteration
+    from tasks.reporting.report import iteration_report
     from tasks.stages.build_csgs import build_csgs
     from tasks.stages.calibrate_window import calibrate_window
     from tasks.stages.compute_advantages import compute_advantages
+    from tasks.stages.iteration import next_iteration
     from tasks.stages.rollout import rollout_groups
     from tasks.stages.score_atoms import score_atoms
     from tasks.stages.train_epoch import train_epoch

@@ -38,22 +38,24 @@ if __name__ == "__main__":  # before the slow imports below: see flows.launch
     sys.exit(launch("flows.cast", parser().parse_args()))
 
 # The slow imports (torch, Prefect, the stages): the command line above runs before them.
-from prefect import flow
+from prefect import flow, task
 
 from flows.preflight import checked_recipe
-from tasks.reporting.report import iteration_report_task, next_iteration_task, store_root
+from tasks.reporting.report import iteration_report_task
 from tasks.stages.build_csgs import build_csgs_task
 from tasks.stages.calibrate_window import calibrate_window_task
 from tasks.stages.compute_advantages import compute_advantages_task
-from tasks.stages.iteration import Stages, run_iteration, run_setup
+from tasks.stages.iteration import Stages, next_iteration, run_iteration, run_setup
 from tasks.stages.recast_gains import gains_for_training_task
 from tasks.stages.rollout import rollout_task
 from tasks.stages.score_atoms import score_atoms_task
 from tasks.stages.train_epoch import train_epoch_task
+from tasks.store.locations import store_root
 from tasks.store.store import Store
 
 TASKS = Stages(build_csgs_task, calibrate_window_task, rollout_task, score_atoms_task,
                compute_advantages_task, gains_for_training_task, train_epoch_task)
+next_iteration_task = task(next_iteration, name="next_iteration")
 
 
 @flow(name="cast", log_prints=True)

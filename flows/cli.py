@@ -18,7 +18,8 @@ refresh nothing; `refresh` rebuilds it under the store's lock. Decimal results p
 runs, and the connection itself (`Store.connect_readonly`) reads files only under the store and
 cannot write, attach, load extensions or change its settings. `verify` exits 1 when a current
 record's file is missing, changed or unreadable (`tasks.store.integrity`); `--repair` first
-rebuilds what the recipe's run can rebuild from recorded inputs. `gc` prints what it deletes and the bytes freed.
+rebuilds (`tasks.stages.guard`) what the recipe's run can rebuild from recorded inputs. `gc`
+prints what it deletes and the bytes freed.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def _warn_excluded(con: duckdb.DuckDBPyConnection, store: Store) -> None:
 
 
 def _verify(store: Store, args: argparse.Namespace) -> int:
+    from tasks.stages.guard import DamagedOutputError, repair
     from tasks.stages.recipe import RecipeError, load_recipe, parse_overrides
-    from tasks.store.integrity import DamagedOutputError, repair, verify_store
+    from tasks.store.integrity import verify_store
 
     if args.repair:
         if not args.recipe:

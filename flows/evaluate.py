@@ -41,8 +41,9 @@ from prefect import flow
 
 from flows.preflight import checked_recipe
 from tasks.reporting.eval_report import default_out, write_report_task
-from tasks.reporting.report import store_root
-from tasks.stages.evaluate import eval_report_task, evaluate_task, latest_checkpoint_task
+from tasks.reporting.report import eval_report_task
+from tasks.stages.evaluate import evaluate_task, latest_checkpoint_task
+from tasks.store.locations import store_root
 from tasks.store.store import Store
 
 

@@ -59,8 +59,7 @@ def ci_recipe(prompts: Path, **extra) -> Recipe:
 def run_iteration(store: Store, recipe: Recipe, iteration: int | None = None,
                   markers: Path | None = None) -> dict:
     """build_csgs, calibrate_window and one iteration's stages -> {stage: StageRef}."""
-    from tasks.reporting.report import next_iteration
-    from tasks.stages.iteration import plain_stages, run_iteration, run_setup
+    from tasks.stages.iteration import next_iteration, plain_stages, run_iteration, run_setup
 
     def start(stage: str) -> None:
         if markers is not None:

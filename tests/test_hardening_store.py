@@ -4,7 +4,7 @@ outputs are found before an iteration builds on them, rebuilt when their inputs 
 blobs without touching what a resume or an evaluation needs (item 11).
 
 The stages run directly on the CI recipe; `<stage>_task.fn` is the Prefect task's body, which
-checks the pin and the iteration's inputs before the stage (tasks/store/stage.py)."""
+checks the pin and the iteration's inputs before the stage (tasks/stages/guard.py)."""
 
 import shutil
 import warnings
@@ -20,14 +20,10 @@ from tasks.reporting.report import iteration_report
 from tasks.stages import score_atoms
 from tasks.stages.build_csgs import build_csgs_task
 from tasks.stages.evaluate import evaluate_checkpoint
+from tasks.stages.guard import DamagedOutputError, prepare_iteration
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import rollout_groups, rollout_task
-from tasks.store.integrity import (
-    DamagedOutputError,
-    current_records,
-    prepare_iteration,
-    verify_store,
-)
+from tasks.store.integrity import current_records, verify_store
 from tasks.store.run_pin import RecipeMismatch, pin_recipe, read_pin
 from tasks.store.stage import StageRef
 from tasks.store.store import DamagedPartWarning, Store

@@ -35,9 +35,9 @@ from cast_core import hub_snapshot
 from cast_core.scorers.registry import ScorerArgs, load_scorer
 from flows.scorer_service import make_app, serve_in_thread
 from tasks.reporting.eval_report import write_report
-from tasks.reporting.report import iteration_report
+from tasks.reporting.report import eval_report, iteration_report
 from tasks.stages import models
-from tasks.stages.evaluate import eval_report, evaluate_checkpoint
+from tasks.stages.evaluate import evaluate_checkpoint
 from tasks.stages.models import load_base, load_policy, scorer
 from tasks.stages.recipe import Recipe, parse_recipe
 from tasks.store.store import Store

@@ -1,7 +1,8 @@
 """Reporting: what a person reads about a run, drawn from the store: the end-of-iteration report
-and its labelled contact sheet (`report`, `contact_sheet`), the evaluation report with its plots
-(`eval_report`), and the one markdown-table helper (`markdown`).
+with its labelled contact sheet and the evaluation's printed summary (`report`, `contact_sheet`),
+the markdown evaluation report with its plots (`eval_report`), and the repository's one
+markdown-table helper (`markdown`).
 
-May import `tasks.store` and, of `tasks.stages`, what reads or draws a stage's outputs; the store
-and the stages import nothing from here.
+May import `tasks.store` and `tasks.stages` (today: the recipe type and the plot helpers); the
+store and the stages import nothing from here.
 """

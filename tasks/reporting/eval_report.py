@@ -35,8 +35,8 @@ import torch
 from prefect import task
 
 from tasks.reporting.markdown import table
-from tasks.reporting.report import store_root
 from tasks.stages.plots import figure, png
+from tasks.store.locations import store_root
 from tasks.store.store import Store, atomic_write_bytes
 
 REPORT = "report.md"

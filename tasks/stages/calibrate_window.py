@@ -18,13 +18,14 @@ from cast_core.calibration import calibrate_window as calibrate
 from cast_core.calibration import similarity_curves
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.window import fixed_window
+from tasks.stages.guard import stage_task
 from tasks.stages.models import base_hash, load_base, set_threads
 from tasks.stages.plots import plot_calibration
 from tasks.stages.progress import stage_progress
 from tasks.stages.prompt_sets import load_prompts
 from tasks.stages.recipe import Recipe
 from tasks.store.schemas import prompt_id
-from tasks.store.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.store.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
 
 STAGE = "calibrate_window"

@@ -49,6 +49,7 @@ from cast_core.metrics import ImageResult, image_groups, summarise, summarise_by
 from cast_core.sampling import sample_ode
 from cast_core.shapes.verifier import verify
 from tasks.stages.calibrate_window import image_embedder, image_embedder_spec
+from tasks.stages.guard import stage_task
 from tasks.stages.models import graph_builder, load_policy, scorer, scorer_id, set_threads
 from tasks.stages.plots import figure, png
 from tasks.stages.policy_state import policy_for
@@ -56,7 +57,7 @@ from tasks.stages.prompt_sets import load_prompts
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import contact_sheet
 from tasks.stages.score_atoms import score_in_chunks
-from tasks.store.stage import StageRef, make_key, run_stage, stage_task
+from tasks.store.stage import StageRef, make_key, run_stage
 from tasks.store.store import Store
 
 STAGE = "evaluate"
@@ -264,36 +265,7 @@ def latest_checkpoint(store: Store, recipe: Recipe) -> int:
     return store.last_finished_iteration(recipe.run.name, "train_epoch")
 
 
-def eval_report(store: Store, recipe: Recipe, iteration: int) -> dict:
-    """Refresh the catalog and print this checkpoint's table per group (and the history)."""
-    from tasks.reporting.report import format_rows
-
-    store.refresh_catalog()
-    con = store.connect_readonly()
-    try:
-        cursor = con.execute(
-            "SELECT split, group_kind, group_name, images, round(strict_accuracy, 3)::DOUBLE AS "
-            "strict, round(mean_score, 3)::DOUBLE AS mean_score, round(diversity, 4)::DOUBLE AS "
-            "diversity, round(hf_energy, 4)::DOUBLE AS hf_energy FROM evals WHERE run_id = $run "
-            "AND iteration = $k ORDER BY split, group_kind DESC, TRY_CAST(group_name AS INTEGER), "
-            "group_name",
-            {"run": recipe.run.name, "k": iteration})
-        columns, rows = [d[0] for d in cursor.description], cursor.fetchall()
-        history = con.execute(
-            "SELECT iteration, split, round(strict_accuracy, 3)::DOUBLE FROM evals WHERE run_id = "
-            "$run AND group_kind = 'overall' ORDER BY iteration, split",
-            {"run": recipe.run.name}).fetchall()
-    finally:
-        con.close()
-    print(f"run {recipe.run.name!r}, checkpoint of iteration {iteration} (-1 = base):\n"
-          f"{format_rows(columns, rows)}\n\nstrict accuracy (overall) by iteration:\n"
-          f"{format_rows(['iteration', 'split', 'strict'], history)}")
-    return {"run_id": recipe.run.name, "iteration": iteration,
-            "rows": [dict(zip(columns, r)) for r in rows]}
-
-
 latest_checkpoint_task = task(latest_checkpoint, name="latest_checkpoint")
-eval_report_task = task(eval_report, name="eval_report")
 
 
 def evaluate_records(backbone, records: list[dict], images_per_prompt: int = 4,

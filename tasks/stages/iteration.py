@@ -1,5 +1,6 @@
 """The one stage order of a run: the run-level stages (CSGs, then the window), and each
-iteration's rollout -> atom scores -> advantages -> [ReCAST gains] -> training epoch.
+iteration's rollout -> atom scores -> advantages -> [ReCAST gains] -> training epoch; and which
+iteration is next (`next_iteration`).
 
 The flow (`flows/cast.py`) passes the stages' Prefect tasks, the benchmark and the tests pass the
 plain functions (`plain_stages()`); everything else about a stage (its inputs, cache key, resume)
@@ -42,6 +43,11 @@ def plain_stages() -> Stages:
 
     return Stages(build_csgs, calibrate_window, rollout_groups, score_atoms, compute_advantages,
                   gains_for_training, train_epoch)
+
+
+def next_iteration(store, recipe) -> int:
+    """Last iteration whose training finished, plus one (0 for a new run)."""
+    return store.last_finished_iteration(recipe.run.name, "train_epoch") + 1
 
 
 def run_setup(stages: Stages, store, recipe,

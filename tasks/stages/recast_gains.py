@@ -57,13 +57,14 @@ from cast_core.recast_gains import (
     recast_gains as estimate_gains,
 )
 from cast_core.shapes.render import render, sample_scene
+from tasks.stages.guard import stage_task
 from tasks.stages.models import base_hash, load_base, load_policy, scorer, scorer_id, set_threads
 from tasks.stages.plots import plot_recast_gains
 from tasks.stages.policy_state import policy_for
 from tasks.stages.prompt_sets import load_prompts
 from tasks.stages.recipe import Recipe
 from tasks.store.schemas import prompt_id
-from tasks.store.stage import StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
 
 STAGE = "recast_gains"

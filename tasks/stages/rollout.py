@@ -29,11 +29,12 @@ import torch
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.window import SdeWindow
 from tasks.stages.calibrate_window import read_window
+from tasks.stages.guard import stage_task
 from tasks.stages.models import load_policy, set_threads
 from tasks.stages.policy_state import policy_for
 from tasks.stages.progress import stage_progress
 from tasks.stages.recipe import Recipe
-from tasks.store.stage import StageRef, derive_seed, make_key, run_stage, stage_task
+from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
 
 STAGE = "rollout"

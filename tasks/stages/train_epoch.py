@@ -71,6 +71,7 @@ from cast_core.policy import (
 )
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
+from tasks.stages.guard import stage_task
 from tasks.stages.models import (
     base_hash,
     load_optimizer_state,
@@ -84,7 +85,7 @@ from tasks.stages.recast_gains import reward_step_weights
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import rollout_spec
 from tasks.stages.score_atoms import load_graphs, load_rollout_rows
-from tasks.store.stage import StageRef, StageRefused, derive_seed, make_key, run_stage, stage_task
+from tasks.store.stage import StageRef, StageRefused, derive_seed, make_key, run_stage
 from tasks.store.store import Store
 
 STAGE = "train_epoch"
