@@ -14,7 +14,7 @@ skipped and every arm samples the same prompts with the same seeds:
   `batch_credit`, `pick_advantage`, `policy_config`), so it does exactly the stages' work: its
   LoRA must equal the stages' bitwise (printed as the same-work check;
   tests/test_bench_iteration.py).
-- stages: the stage functions of tasks/*.py called directly on a fresh store (next_iteration,
+- stages: the stage functions of tasks/stages/*.py called directly on a fresh store (next_iteration,
   rollout, score_atoms, compute_advantages, train_epoch, report). The run-level stages
   (build_csgs, calibrate_window) run first on that store and are reported apart: they run once per
   run, not per iteration.
@@ -330,7 +330,7 @@ def report(fig: dict) -> None:
     for name, s in fig["bare"]["parts"].items():
         print(line(name, s["values"]))
     print(line("TOTAL bare", fig["bare"]["total"]["values"]))
-    print("stages (tasks/*.py functions on a fresh store, no Prefect):")
+    print("stages (tasks/stages/*.py functions on a fresh store, no Prefect):")
     for name, s in fig["stages"]["parts"].items():
         print(line(name, s["values"]))
     print(line("TOTAL stages (per iteration)", fig["stages"]["total"]["values"]))

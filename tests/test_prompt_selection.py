@@ -1,4 +1,4 @@
-"""`prompts.selection = "cycle"` (tasks/rollout_groups.select_prompts): iteration k trains on the
+"""`prompts.selection = "cycle"` (tasks/stages/rollout.select_prompts): iteration k trains on the
 prompts at file positions (k B + j) mod P, so a fixed pool is visited evenly; B > P is refused."""
 
 import json

@@ -3,10 +3,11 @@ query this iteration's atom scores and training diagnostics, print where results
 evaluation's summary (`eval_report`: this checkpoint's `evals` rows per group and the history of
 strict accuracy).
 
-The report also draws the iteration's labelled rollout contact sheet
+The iteration report also draws the iteration's labelled rollout contact sheet
 (`tasks.reporting.contact_sheet`: the prompt above each row, each sample's mean atom score under
-it) and copies the run's window calibration plot, both into `<store>/reports/<run>/` (`report_paths`), and inside a Prefect run
-attaches both as image artifacts, so they show in the UI.
+it) and copies the run's window calibration plot, both into `<store>/reports/<run>/`
+(`report_paths`), and inside a Prefect run attaches both as image artifacts, so they show in the
+UI.
 """
 
 from __future__ import annotations
