@@ -14,7 +14,7 @@ skipped and every arm samples the same prompts with the same seeds:
   `batch_credit`, `pick_advantage`, `policy_config`), so it does exactly the stages' work: its
   LoRA must equal the stages' bitwise (printed as the same-work check;
   tests/test_bench_iteration.py).
-- stages: the stage functions of tasks/*.py called directly on a fresh store (next_iteration,
+- stages: the stage functions of tasks/stages/*.py called directly on a fresh store (next_iteration,
   rollout, score_atoms, compute_advantages, train_epoch, report). The run-level stages
   (build_csgs, calibrate_window) run first on that store and are reported apart: they run once per
   run, not per iteration.
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.iteration import RUN_STAGES
+from tasks.stages.iteration import RUN_STAGES
 
 TARGET_FLOW_S = 45.0  # a default iteration (16 prompts x 8 samples) finishes in <= ~45 s wall
 TARGET_OVERHEAD = 0.10  # orchestration + store overhead <= 10% against the bare arm
@@ -71,12 +71,12 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     from cast_core.csg.graph import ATOM_TYPES, SceneGraph
     from cast_core.policy import linear_warmup_lr, policy_update
     from cast_core.rollout import rollout
-    from tasks.compute_advantages import atom_batch, credit_config
-    from tasks.models import load_policy, lora_tensors, scorer, set_threads
-    from tasks.rollout_groups import decode_uint8, group_seeds, rollout_spec
-    from tasks.score_atoms import atom_score_rows
-    from tasks.stage import derive_seed
-    from tasks.train_epoch import pick_advantage, policy_config
+    from tasks.stages.compute_advantages import atom_batch, credit_config
+    from tasks.stages.models import load_policy, lora_tensors, scorer, set_threads
+    from tasks.stages.rollout import decode_uint8, group_seeds, rollout_spec
+    from tasks.stages.score_atoms import atom_score_rows
+    from tasks.stages.train_epoch import pick_advantage, policy_config
+    from tasks.store.stage import derive_seed
 
     set_threads(recipe)
     clock, g, cfg, tr = Clock(), recipe.prompts.group_size, recipe.advantage, recipe.train
@@ -129,14 +129,15 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
 
 def stage_iteration(recipe, root: Path) -> dict:
     """Run-level stages, then one iteration, through the stage functions on a fresh store."""
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window
-    from tasks.compute_advantages import compute_advantages
-    from tasks.report import iteration_report, next_iteration
-    from tasks.rollout_groups import rollout_groups
-    from tasks.score_atoms import score_atoms
-    from tasks.store import Store
-    from tasks.train_epoch import train_epoch
+    from tasks.reporting.report import iteration_report
+    from tasks.stages.build_csgs import build_csgs
+    from tasks.stages.calibrate_window import calibrate_window
+    from tasks.stages.compute_advantages import compute_advantages
+    from tasks.stages.iteration import next_iteration
+    from tasks.stages.rollout import rollout_groups
+    from tasks.stages.score_atoms import score_atoms
+    from tasks.stages.train_epoch import train_epoch
+    from tasks.store.store import Store
 
     st, clock = Store(root), Clock()
     csgs = clock.run("build_csgs", build_csgs, st, recipe)
@@ -157,14 +158,14 @@ def stage_iteration(recipe, root: Path) -> dict:
 
 def recorded_stage_seconds(root: Path, run_id: str, iteration: int) -> dict:
     """{stage: body seconds} of an iteration from the store's completion records."""
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     rows = Store(root).read_table("stages", {"run_id": run_id, "iteration": iteration}).to_pylist()
     return {r["stage"]: (r["finished_at"] - r["started_at"]).total_seconds() for r in rows}
 
 
 def stored_lora(root: Path, run_id: str) -> dict:
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     st = Store(root)
     row = st.read_table("checkpoints", {"run_id": run_id, "iteration": 0}).to_pylist()[0]
@@ -224,7 +225,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    from tasks.recipe import parse_overrides
+    from tasks.stages.recipe import parse_overrides
 
     overrides = parse_overrides(args.set)
     if args.threads is not None:
@@ -247,11 +248,11 @@ def main() -> None:
 
 
 def measure(recipe_path: str, overrides: dict, repeats: int, work: Path) -> dict:
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window, read_window
-    from tasks.recipe import load_recipe
-    from tasks.rollout_groups import select_prompts
-    from tasks.store import Store
+    from tasks.stages.build_csgs import build_csgs
+    from tasks.stages.calibrate_window import calibrate_window, read_window
+    from tasks.stages.recipe import load_recipe
+    from tasks.stages.rollout import select_prompts
+    from tasks.store.store import Store
 
     recipe = load_recipe(recipe_path, overrides or None)
     run_id, load_before = recipe.run.name, os.getloadavg()
@@ -329,7 +330,7 @@ def report(fig: dict) -> None:
     for name, s in fig["bare"]["parts"].items():
         print(line(name, s["values"]))
     print(line("TOTAL bare", fig["bare"]["total"]["values"]))
-    print("stages (tasks/*.py functions on a fresh store, no Prefect):")
+    print("stages (tasks/stages/*.py functions on a fresh store, no Prefect):")
     for name, s in fig["stages"]["parts"].items():
         print(line(name, s["values"]))
     print(line("TOTAL stages (per iteration)", fig["stages"]["total"]["values"]))

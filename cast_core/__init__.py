@@ -15,5 +15,5 @@
 
 Nothing under `cast_core/` imports `tasks/`, `flows/` or `benchmarks/`, runs a server, reads a
 command line (argparse) or draws a plot (matplotlib): those are `flows/` (the scorer service,
-the shapes prompts command) and `tasks/` (`tasks/plots.py`, the reports).
+the shapes prompts command) and `tasks/` (`tasks/stages/plots.py`, the reports).
 """

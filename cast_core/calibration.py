@@ -13,8 +13,8 @@ end below 1.
 
 ``calibrate_window`` averages the curves over prompts, finds the structure-formation step with
 ``window.structure_formation_step`` (curvature knee, threshold fallback) and places the SDE window of
-the requested size ending at it (``window.window_from_formation``). ``tasks.plots.plot_calibration``
-draws it for a person to look at.
+the requested size ending at it (``window.window_from_formation``).
+``tasks.stages.plots.plot_calibration`` draws it for a person to look at.
 
 Departures (the CAST paper's code is not public): one seed per prompt; CFG as the backbone applies
 it, so the curve is the guided sampler's; no smoothing beyond the mean over prompts; the spread

@@ -29,8 +29,8 @@ from cast_core.shapes.sensitivity import (
     swap_word,
     word_sensitivity,
 )
-from tasks.evaluate import evaluate_records
-from tasks.markdown import table
+from tasks.reporting.markdown import table
+from tasks.stages.evaluate import evaluate_records
 
 
 def format_table(title: str, results) -> str:

@@ -1,9 +1,10 @@
 """Flow `cast`: one RL iteration (k = last finished + 1, or `iteration`) of a recipe.
 
 Deployed as `cast/train-iteration` (prefect.yaml). Every stage is a cached, resumable task
-(tasks/stage.py); re-running after a crash finishes the iteration and skips finished stages. With
-`recast.weighting = "recast"` the ReCAST gains of the policy (re-estimated every `recast.every`
-iterations) run before training, which weights each atom type's share of the map per step.
+(tasks/store/stage.py); re-running after a crash finishes the iteration and skips finished stages.
+With `recast.weighting = "recast"` the ReCAST gains of the policy (re-estimated every
+`recast.every` iterations) run before training, which weights each atom type's share of the map
+per step.
 
     .venv/bin/python -m flows.cast --recipe data/recipes/shapes-cast.toml
 
@@ -37,22 +38,24 @@ if __name__ == "__main__":  # before the slow imports below: see flows.launch
     sys.exit(launch("flows.cast", parser().parse_args()))
 
 # The slow imports (torch, Prefect, the stages): the command line above runs before them.
-from prefect import flow
+from prefect import flow, task
 
 from flows.preflight import checked_recipe
-from tasks.build_csgs import build_csgs_task
-from tasks.calibrate_window import calibrate_window_task
-from tasks.compute_advantages import compute_advantages_task
-from tasks.iteration import Stages, run_iteration, run_setup
-from tasks.recast_gains import gains_for_training_task
-from tasks.report import iteration_report_task, next_iteration_task, store_root
-from tasks.rollout_groups import rollout_task
-from tasks.score_atoms import score_atoms_task
-from tasks.store import Store
-from tasks.train_epoch import train_epoch_task
+from tasks.reporting.report import iteration_report_task
+from tasks.stages.build_csgs import build_csgs_task
+from tasks.stages.calibrate_window import calibrate_window_task
+from tasks.stages.compute_advantages import compute_advantages_task
+from tasks.stages.iteration import Stages, next_iteration, run_iteration, run_setup
+from tasks.stages.recast_gains import gains_for_training_task
+from tasks.stages.rollout import rollout_task
+from tasks.stages.score_atoms import score_atoms_task
+from tasks.stages.train_epoch import train_epoch_task
+from tasks.store.locations import store_root
+from tasks.store.store import Store
 
 TASKS = Stages(build_csgs_task, calibrate_window_task, rollout_task, score_atoms_task,
                compute_advantages_task, gains_for_training_task, train_epoch_task)
+next_iteration_task = task(next_iteration, name="next_iteration")
 
 
 @flow(name="cast", log_prints=True)

@@ -7,7 +7,7 @@
     cast verify [--root ROOT] [--run RUN] [--repair --recipe FILE [--set FIELD=JSON ...]]
                                      check every recorded output against its hashes
     cast gc --keep N [--root ROOT] [--run RUN] [--dry-run]
-                                     delete old iterations' bulky blobs (tasks.gc)
+                                     delete old iterations' bulky blobs (tasks.store.gc)
     cast serve-scorer --scorer soft-tifa --model PATH [--host H --port P --device cuda]
                                      serve a scorer over HTTP (flows.scorer_service)
 
@@ -17,8 +17,9 @@ refresh nothing; `refresh` rebuilds it under the store's lock. Decimal results p
 `sql` runs one query and nothing else: any statement but SELECT (or EXPLAIN) is refused before it
 runs, and the connection itself (`Store.connect_readonly`) reads files only under the store and
 cannot write, attach, load extensions or change its settings. `verify` exits 1 when a current
-record's file is missing, changed or unreadable (`tasks.integrity`); `--repair` first rebuilds what
-the recipe's run can rebuild from recorded inputs. `gc` prints what it deletes and the bytes freed.
+record's file is missing, changed or unreadable (`tasks.store.integrity`); `--repair` first
+rebuilds (`tasks.stages.guard`) what the recipe's run can rebuild from recorded inputs. `gc`
+prints what it deletes and the bytes freed.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from typing import Any
 
 import duckdb
 
-from tasks.schemas import TABLES
-from tasks.store import Store
+from tasks.store.schemas import TABLES
+from tasks.store.store import Store
 
 _QUERY_TYPES = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
 
@@ -138,8 +139,9 @@ def _warn_excluded(con: duckdb.DuckDBPyConnection, store: Store) -> None:
 
 
 def _verify(store: Store, args: argparse.Namespace) -> int:
-    from tasks.integrity import DamagedOutputError, repair, verify_store
-    from tasks.recipe import RecipeError, load_recipe, parse_overrides
+    from tasks.stages.guard import DamagedOutputError, repair
+    from tasks.stages.recipe import RecipeError, load_recipe, parse_overrides
+    from tasks.store.integrity import verify_store
 
     if args.repair:
         if not args.recipe:
@@ -170,7 +172,7 @@ def _verify(store: Store, args: argparse.Namespace) -> int:
 
 
 def _gc(store: Store, args: argparse.Namespace) -> int:
-    from tasks.gc import collect, plan_gc
+    from tasks.store.gc import collect, plan_gc
 
     try:
         plan = plan_gc(store, args.keep, args.run)

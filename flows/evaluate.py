@@ -1,6 +1,6 @@
 """Flow `cast-eval`: evaluate a run's latest checkpoint (or `iteration`; -1 = the base model) on
 the recipe's eval splits; writes `evals` rows, image grids and a plot, prints the table, then
-writes the run's markdown report with its plots (`tasks/eval_report.py`; default folder
+writes the run's markdown report with its plots (`tasks/reporting/eval_report.py`; default folder
 `<store>/reports/<run>`, also a Prefect markdown artifact).
 
 Deployed as `cast-eval/nightly` with a nightly cron schedule (prefect.yaml).
@@ -40,10 +40,11 @@ if __name__ == "__main__":  # before the slow imports below: see flows.launch
 from prefect import flow
 
 from flows.preflight import checked_recipe
-from tasks.eval_report import default_out, write_report_task
-from tasks.evaluate_checkpoint import eval_report_task, evaluate_task, latest_checkpoint_task
-from tasks.report import store_root
-from tasks.store import Store
+from tasks.reporting.eval_report import default_out, write_report_task
+from tasks.reporting.report import eval_report_task
+from tasks.stages.evaluate import evaluate_task, latest_checkpoint_task
+from tasks.store.locations import store_root
+from tasks.store.store import Store
 
 
 @flow(name="cast-eval", log_prints=True)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from flows.api_server import ApiServerError, healthy, temporary_api_server
 from flows.preflight import checked_recipe
-from tasks.locations import store_root
-from tasks.recipe import RecipeError, parse_overrides
+from tasks.stages.recipe import RecipeError, parse_overrides
+from tasks.store.locations import store_root
 
 DEFAULT_SERVER_TIMEOUT_S = 240.0
 QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}

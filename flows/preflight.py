@@ -2,9 +2,10 @@
 
 A bad recipe used to cost ~25 s (Prefect's server, torch) and ~70 lines of traceback. Here it costs
 under a second and one line per problem, naming the field and the fix: the recipe's own validation
-(`tasks.recipe.load_recipe`), then every file and folder the stages will open (prompt files, model
-folders or hub ids, the ReCAST positives, the store). Imports stay light (no torch, no Prefect):
-the flows' command lines call this first, and `scripts/main.sh` before it starts a server.
+(`tasks.stages.recipe.load_recipe`), then every file and folder the stages will open (prompt
+files, model folders or hub ids, the ReCAST positives, the store). Imports stay light (no torch,
+no Prefect): the flows' command lines call this first, and `scripts/main.sh` before it starts a
+server.
 
     .venv/bin/python -m flows.preflight --recipe data/recipes/shapes-cast.toml [--store DIR]
 
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 from cast_core.backbones.source import source_problem
-from tasks.recipe import Recipe, RecipeError, load_recipe
+from tasks.stages.recipe import Recipe, RecipeError, load_recipe
 
 # the file that marks a model folder of a family (`cast_core.backbones.shapes.BACKBONE_FILE`,
 # repeated here so that this check does not import torch; a test keeps the two equal)

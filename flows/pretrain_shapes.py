@@ -19,7 +19,7 @@ from prefect import flow
 
 from cast_core.backbones.shapes import ShapesBackboneConfig
 from cast_core.shapes.pretrain import PretrainConfig
-from tasks.pretrain_shapes import pretrain_shapes, pretrain_shapes_task
+from tasks.stages.pretrain_shapes import pretrain_shapes, pretrain_shapes_task
 
 
 @flow(name="pretrain-shapes")

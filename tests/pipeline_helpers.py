@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tasks.recipe import Recipe, load_recipe
-from tasks.schemas import TABLES
-from tasks.store import Store
+from tasks.stages.recipe import Recipe, load_recipe
+from tasks.store.schemas import TABLES
+from tasks.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 CI_RECIPE = REPO / "data" / "recipes" / "shapes-ci.toml"
@@ -59,8 +59,7 @@ def ci_recipe(prompts: Path, **extra) -> Recipe:
 def run_iteration(store: Store, recipe: Recipe, iteration: int | None = None,
                   markers: Path | None = None) -> dict:
     """build_csgs, calibrate_window and one iteration's stages -> {stage: StageRef}."""
-    from tasks.iteration import plain_stages, run_iteration, run_setup
-    from tasks.report import next_iteration
+    from tasks.stages.iteration import next_iteration, plain_stages, run_iteration, run_setup
 
     def start(stage: str) -> None:
         if markers is not None:

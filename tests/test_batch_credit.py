@@ -8,8 +8,8 @@ import torch
 
 from cast_core.batch_credit import AtomBatch, CreditConfig, batch_credit
 from cast_core.csg.graph import ATOM_TYPES
-from tasks.compute_advantages import advantage_rows, atom_batch, credit_config
-from tasks.recipe import AdvantageSection
+from tasks.stages.compute_advantages import advantage_rows, atom_batch, credit_config
+from tasks.stages.recipe import AdvantageSection
 
 G, HW = 4, 4
 

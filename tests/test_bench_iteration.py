@@ -10,11 +10,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_iteration import bare_iteration, stage_iteration, stored_lora
 
-from tasks.build_csgs import build_csgs
-from tasks.calibrate_window import calibrate_window, read_window
-from tasks.recipe import load_recipe
-from tasks.rollout_groups import select_prompts
-from tasks.store import Store
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.calibrate_window import calibrate_window, read_window
+from tasks.stages.recipe import load_recipe
+from tasks.stages.rollout import select_prompts
+from tasks.store.store import Store
 
 
 @pytest.mark.parametrize("recipe_name", ["shapes-cast", "shapes-flowgrpo"])

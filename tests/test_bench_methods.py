@@ -53,7 +53,7 @@ from methods.store_reads import Results
 from methods.summary import ITERATION_STAGES, one_change, summarise
 from methods.tables import one_change_table, type_gain_table, type_gains
 
-from tasks.iteration import RUN_STAGES
+from tasks.stages.iteration import RUN_STAGES
 
 # ---- statistics ---------------------------------------------------------------------------
 
@@ -501,7 +501,7 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
     assert len(entries) == 6 + 2 * len(names)  # the targets, then hf energy per arm and split
     assert entries[5]["name"] == "full benchmark wall minutes"
     assert entries[-1]["name"] == "recast-skewed hard hf energy change"
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     con = Store(tmp_path / "store").connect_readonly()
     try:
@@ -526,7 +526,7 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
     weights = rs.weights["static-skewed"]
     assert weights["count"][0] == pytest.approx(2 * weights["object"][0])
     # the same run names with another recipe are refused before any stage runs
-    from tasks.run_pin import RecipeMismatch
+    from tasks.store.run_pin import RecipeMismatch
 
     before = sorted(p.name for p in (tmp_path / "store").rglob("*.parquet"))
     with pytest.raises(RecipeMismatch, match="train.lr"):
@@ -535,9 +535,9 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
     assert sorted(p.name for p in (tmp_path / "store").rglob("*.parquet")) == before
     # after a code change every cache key differs, so the calls would run again; --report-only
     # writes the same figures from what the store holds, and runs nothing
-    import tasks.stage
+    import tasks.store.stage
 
-    monkeypatch.setattr(tasks.stage, "code_version", lambda: "another code version")
+    monkeypatch.setattr(tasks.store.stage, "code_version", lambda: "another code version")
     again = run_benchmark(size, tmp_path / "store", tmp_path / "report3", "tiny", threads=1,
                           only=names, report_only=True)
     assert sorted(p.name for p in (tmp_path / "store").rglob("*.parquet")) == before
@@ -593,7 +593,7 @@ def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
 
 
 def test_pool_file_takes_the_pools_first_prompts(tmp_path):
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     store = Store(tmp_path / "store")
     assert pool_file(store, None) == POOL

@@ -12,7 +12,7 @@ from cast_core.shapes.embedder import CLASSES, LayoutEmbedder
 from cast_core.shapes.render import Shape, render
 from cast_core.shapes.world import BACKGROUND_RGB, COLORS, PALETTE_RGB
 from cast_core.window import SdeWindow
-from tasks.plots import plot_calibration
+from tasks.stages.plots import plot_calibration
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""`eval.seed_offset` (tasks/recipe.py EvalSection, tasks/evaluate_checkpoint.py): image i of a
+"""`eval.seed_offset` (tasks/stages/recipe.py EvalSection, tasks/stages/evaluate.py): image i of a
 prompt is seeded by (prompt, seed_offset + i); the offset enters the eval spec only when set; two
 evaluations of one checkpoint under different splits keep both `evals` parts and grids."""
 
@@ -11,15 +11,15 @@ import numpy as np
 from PIL import Image
 from pipeline_helpers import ci_recipe
 
-from tasks.evaluate import content_seed
-from tasks.evaluate_checkpoint import (
+from tasks.stages.evaluate import (
+    content_seed,
     eval_outputs,
     eval_seeds,
     eval_spec_hash,
     evaluate_checkpoint,
     read_image_scores,
 )
-from tasks.store import Store
+from tasks.store.store import Store
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 

@@ -30,10 +30,10 @@ from pipeline_helpers import (
     temp_files,
 )
 
-from tasks.build_csgs import build_csgs
-from tasks.calibrate_window import calibrate_window
-from tasks.schemas import TABLES
-from tasks.store import Store
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.calibrate_window import calibrate_window
+from tasks.store.schemas import TABLES
+from tasks.store.store import Store
 
 RUN_TABLES = ("csgs", "atoms", "calibration_curves", "windows")
 # Columns that legitimately differ between two runs of the same seeds: wall-clock timings.
@@ -201,7 +201,7 @@ def test_two_flows_of_the_same_run_at_once(tmp_path_factory, tmp_path):
 
 _REFRESH = """
 import sys
-from tasks.store import Store
+from tasks.store.store import Store
 store = Store(sys.argv[1])
 for _ in range(int(sys.argv[2])):
     store.refresh_catalog()

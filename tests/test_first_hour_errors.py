@@ -13,7 +13,7 @@ import pytest
 
 from cast_core.backbones.source import ModelSourceError, could_be_hub_id, source_problem
 from flows.preflight import FAMILY_MARKERS, checked_recipe, path_problems
-from tasks.recipe import RecipeError, load_recipe
+from tasks.stages.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 CI_RECIPE = REPO / "data/recipes/shapes-ci.toml"

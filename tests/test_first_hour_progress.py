@@ -1,5 +1,5 @@
 """Issue 19, item 13: rollout and window calibration report progress, one callback per denoising
-step, and `tasks.progress` turns it into tqdm lines in the run's log."""
+step, and `tasks.stages.progress` turns it into tqdm lines in the run's log."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cast_core.calibration import similarity_curves
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.shapes.embedder import LayoutEmbedder
 from cast_core.window import SdeWindow
-from tasks.progress import LoggerStream, stage_progress
+from tasks.stages.progress import LoggerStream, stage_progress
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares", "a photo of a green triangle"]

@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 from pipeline_helpers import reference
 
-from tasks.contact_sheet import GAP, SCALE, TEXT_H, SheetRow, labelled_sheet
-from tasks.report import iteration_report, publish_images, report_paths
-from tasks.store import Store
+from tasks.reporting.contact_sheet import GAP, SCALE, TEXT_H, SheetRow, labelled_sheet
+from tasks.reporting.report import iteration_report, publish_images, report_paths
+from tasks.store.store import Store
 
 
 def pixels(png: bytes) -> np.ndarray:

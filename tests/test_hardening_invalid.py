@@ -11,12 +11,12 @@ import pytest
 from pipeline_helpers import CI_RECIPE, reference, run_iteration, write_small_prompts
 
 from cast_core.shapes.prompts import PromptFileError
-from tasks.build_csgs import build_csgs
-from tasks.prompt_sets import load_prompts
-from tasks.recipe import Recipe, RecipeError, load_recipe
-from tasks.stage import StageRefused, run_stage
-from tasks.store import Store
-from tasks.train_epoch import NonFiniteWeights
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.prompt_sets import load_prompts
+from tasks.stages.recipe import Recipe, RecipeError, load_recipe
+from tasks.stages.train_epoch import NonFiniteWeights
+from tasks.store.stage import StageRefused, run_stage
+from tasks.store.store import Store
 
 
 def _float_fields() -> list[str]:
@@ -45,7 +45,7 @@ def test_every_float_field_must_be_finite(field, value):
 
 
 def test_a_json_infinity_override_is_refused_too():
-    from tasks.recipe import parse_overrides
+    from tasks.stages.recipe import parse_overrides
 
     with pytest.raises(RecipeError, match="train.lr: must be a finite number"):
         load_recipe(CI_RECIPE, parse_overrides(["train.lr=Infinity"]))

@@ -9,7 +9,7 @@ import duckdb
 import pytest
 
 from flows.cli import main
-from tasks.store import Store
+from tasks.store.store import Store
 
 
 def _store(root: Path) -> Store:

@@ -4,7 +4,7 @@ outputs are found before an iteration builds on them, rebuilt when their inputs 
 blobs without touching what a resume or an evaluation needs (item 11).
 
 The stages run directly on the CI recipe; `<stage>_task.fn` is the Prefect task's body, which
-checks the pin and the iteration's inputs before the stage (tasks/stage.py)."""
+checks the pin and the iteration's inputs before the stage (tasks/stages/guard.py)."""
 
 import shutil
 import warnings
@@ -16,16 +16,17 @@ from pipeline_helpers import CI_RECIPE, SMALL, reference, run_iteration
 
 from cast_core.hub_snapshot import file_sha256
 from flows.cli import main
-from tasks import score_atoms
-from tasks.build_csgs import build_csgs_task
-from tasks.evaluate_checkpoint import evaluate_checkpoint
-from tasks.integrity import DamagedOutputError, current_records, prepare_iteration, verify_store
-from tasks.recipe import Recipe
-from tasks.report import iteration_report
-from tasks.rollout_groups import rollout_groups, rollout_task
-from tasks.run_pin import RecipeMismatch, pin_recipe, read_pin
-from tasks.stage import StageRef
-from tasks.store import DamagedPartWarning, Store
+from tasks.reporting.report import iteration_report
+from tasks.stages import score_atoms
+from tasks.stages.build_csgs import build_csgs_task
+from tasks.stages.evaluate import evaluate_checkpoint
+from tasks.stages.guard import DamagedOutputError, prepare_iteration
+from tasks.stages.recipe import Recipe
+from tasks.stages.rollout import rollout_groups, rollout_task
+from tasks.store.integrity import current_records, verify_store
+from tasks.store.run_pin import RecipeMismatch, pin_recipe, read_pin
+from tasks.store.stage import StageRef
+from tasks.store.store import DamagedPartWarning, Store
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +181,7 @@ def test_a_rebuild_with_other_bytes_is_not_kept(store, recipe, monkeypatch):
 def test_a_rebuild_under_changed_code_is_kept_when_its_bytes_match(store, recipe, monkeypatch):
     part = _scores_part(store, recipe, 1)
     original = _truncate(part)
-    monkeypatch.setattr("tasks.stage.code_version", lambda: "0123456789abcdef")
+    monkeypatch.setattr("tasks.store.stage.code_version", lambda: "0123456789abcdef")
     (ref,) = prepare_iteration(store, recipe, 2)
     assert (ref.stage, ref.iteration) == ("score_atoms", 1) and part.read_bytes() == original
     statuses = {(c.record.stage, c.record.code_version): c.status for c in verify_store(store)

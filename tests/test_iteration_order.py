@@ -1,9 +1,9 @@
-"""The one stage order (tasks/iteration.py), checked with stand-in stage callables that record
-their calls: the flow, the benchmark and the tests all go through it."""
+"""The one stage order (tasks/stages/iteration.py), checked with stand-in stage callables that
+record their calls: the flow, the benchmark and the tests all go through it."""
 
 from types import SimpleNamespace
 
-from tasks.iteration import ITERATION_STAGES, RUN_STAGES, Stages, run_iteration, run_setup
+from tasks.stages.iteration import ITERATION_STAGES, RUN_STAGES, Stages, run_iteration, run_setup
 
 
 def recording_stages(calls: list) -> Stages:

@@ -1,7 +1,8 @@
-"""Issue 20, item 4: cast_core shows its layers. Read from the import statements (no module is
-imported): no server framework, command line or plotting library under cast_core/, nothing from
-the orchestration folders, and only the arrows between cast_core's folders that
-cast_core/__init__.py allows."""
+"""Issue 20, items 4 and 5: cast_core and tasks show their layers. Read from the import statements
+(no module is imported): no server framework, command line or plotting library under cast_core/,
+nothing from the orchestration folders, and only the arrows between cast_core's folders that
+cast_core/__init__.py allows; every module of tasks/ in one of its three subpackages, and only
+the arrows between them that tasks/__init__.py allows (store <- stages <- reporting)."""
 
 import ast
 from pathlib import Path
@@ -74,3 +75,40 @@ def test_arrows_between_cast_core_folders(path):
         assert allowed is None or module in allowed, f"{rel}: {source} may not import {module}"
         if (source, target) == ("scorers", "shapes"):
             assert lazy and rel.name == "registry.py", f"{rel}: {module} only lazily, in registry"
+
+
+TASKS = ROOT / "tasks"
+TASK_FOLDERS = ("store", "stages", "reporting")
+# tasks folder -> the tasks folders it may import
+TASKS_ALLOWED = {
+    "store": set(),
+    "stages": {"store"},
+    "reporting": {"store", "stages"},
+}
+TASK_FILES = sorted(TASKS.rglob("*.py"))
+
+
+def test_every_tasks_module_is_in_a_subpackage():
+    loose = [p.name for p in TASKS.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules directly under tasks/: {loose}; place each in {TASK_FOLDERS}"
+    folders = sorted(p.name for p in TASKS.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(TASK_FOLDERS)
+    assert all((TASKS / f / "__init__.py").exists() for f in TASK_FOLDERS)
+
+
+@pytest.mark.parametrize("path", TASK_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_arrows_between_tasks_folders(path):
+    rel = path.relative_to(TASKS)
+    source = rel.parts[0] if len(rel.parts) > 1 else "top"
+    for module, _ in _imports(path):
+        parts = module.split(".")
+        assert parts[0] not in ("flows", "benchmarks"), f"tasks/{rel} imports {module}"
+        if parts[0] != "tasks":
+            continue
+        assert len(parts) > 1 and parts[1] in TASK_FOLDERS, \
+            f"tasks/{rel}: import {module} names no subpackage of tasks"
+        target = parts[1]
+        if target == source:
+            continue
+        assert target in TASKS_ALLOWED.get(source, set()), \
+            f"tasks/{rel}: {source} may not import {module}"

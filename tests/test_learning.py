@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.recipe import load_recipe
-from tasks.store import Store
+from tasks.stages.recipe import load_recipe
+from tasks.store.store import Store
 
 RECIPES = Path(__file__).resolve().parents[1] / "data" / "recipes"
 RECORD = {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "blue"}],
@@ -66,13 +66,13 @@ def mean_score(store: Store, recipe, iteration: int) -> float:
 
 def train_and_evaluate(store: Store, recipe, iterations: int) -> tuple[float, float]:
     """(base mean atom score, mean atom score after `iterations` iterations)."""
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window
-    from tasks.compute_advantages import compute_advantages
-    from tasks.evaluate_checkpoint import evaluate_checkpoint
-    from tasks.rollout_groups import rollout_groups
-    from tasks.score_atoms import score_atoms
-    from tasks.train_epoch import train_epoch
+    from tasks.stages.build_csgs import build_csgs
+    from tasks.stages.calibrate_window import calibrate_window
+    from tasks.stages.compute_advantages import compute_advantages
+    from tasks.stages.evaluate import evaluate_checkpoint
+    from tasks.stages.rollout import rollout_groups
+    from tasks.stages.score_atoms import score_atoms
+    from tasks.stages.train_epoch import train_epoch
 
     evaluate_checkpoint(store, recipe, -1)
     csgs, window = build_csgs(store, recipe), calibrate_window(store, recipe)

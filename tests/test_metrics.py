@@ -3,7 +3,7 @@
 import numpy as np
 
 from cast_core.metrics import ImageResult, image_correct, summarise_by_atom_type, summarise_by_tag
-from tasks.evaluate import content_seed
+from tasks.stages.evaluate import content_seed
 
 
 def test_strict_rule_needs_every_atom():

@@ -25,11 +25,11 @@ from safetensors import safe_open
 
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.policy import kl_targeted_lr
-from tasks.calibrate_window import calibrate_window, read_window
-from tasks.models import load_base, load_policy
-from tasks.policy_state import policy_for
-from tasks.store import Store
-from tasks.train_epoch import train_epoch
+from tasks.stages.calibrate_window import calibrate_window, read_window
+from tasks.stages.models import load_base, load_policy
+from tasks.stages.policy_state import policy_for
+from tasks.stages.train_epoch import train_epoch
+from tasks.store.store import Store
 
 
 @pytest.fixture(scope="module")
@@ -504,7 +504,7 @@ def test_nft_objective_trains_on_ode_samples(ref, tmp_path, kind):
 def test_nft_trains_the_conditional_velocity_by_default(ref):
     """`train.nft_guidance` defaults to "none": the NFT loss trains the conditional velocity
     (scale 1), whatever the sampler's CFG; "sampler" trains the guided one at its scale."""
-    from tasks.train_epoch import nft_training_guidance
+    from tasks.stages.train_epoch import nft_training_guidance
 
     recipe = ci_recipe(ref[2], **NFT)
     assert recipe.train.nft_guidance == "none" and recipe.sampling.guidance_scale != 1.0
@@ -514,7 +514,7 @@ def test_nft_trains_the_conditional_velocity_by_default(ref):
 
 
 def test_nft_recipe_refuses_what_it_cannot_do(ref):
-    from tasks.recipe import RecipeError
+    from tasks.stages.recipe import RecipeError
 
     with pytest.raises((RecipeError, ValueError), match="noise_level = 0"):
         ci_recipe(ref[2], **{"sampling.noise_level": 0.0, "window.mode": "fixed"})

@@ -8,12 +8,12 @@ import json
 import pytest
 from pipeline_helpers import CI_RECIPE
 
-import tasks.build_csgs as build_csgs_module
+import tasks.stages.build_csgs as build_csgs_module
 from cast_core.csg.parser import MAX_PROMPT_CHARS, parse_prompt
 from cast_core.shapes.prompts import PromptFileError, load_prompt_file
-from tasks.prompt_sets import load_prompts, prompt_lines
-from tasks.recipe import load_recipe
-from tasks.store import Store
+from tasks.stages.prompt_sets import load_prompts, prompt_lines
+from tasks.stages.recipe import load_recipe
+from tasks.store.store import Store
 
 REAL = {"backbone.family": "flux2", "backbone.height": 64, "backbone.width": 64}
 CAT = {"tag": "colors", "prompt": "a photo of a red cat",

@@ -1,4 +1,4 @@
-"""`prompts.selection = "cycle"` (tasks/rollout_groups.select_prompts): iteration k trains on the
+"""`prompts.selection = "cycle"` (tasks/stages/rollout.select_prompts): iteration k trains on the
 prompts at file positions (k B + j) mod P, so a fixed pool is visited evenly; B > P is refused."""
 
 import json
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import ci_recipe
 
-from tasks.build_csgs import build_csgs
-from tasks.rollout_groups import cycle_positions, select_prompts
-from tasks.store import Store
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.rollout import cycle_positions, select_prompts
+from tasks.store.store import Store
 
 POOL = Path(__file__).resolve().parents[1] / "data" / "prompts" / "pool.jsonl"
 

@@ -34,13 +34,13 @@ from tiny_models import (
 from cast_core import hub_snapshot
 from cast_core.scorers.registry import ScorerArgs, load_scorer
 from flows.scorer_service import make_app, serve_in_thread
-from tasks import models
-from tasks.eval_report import write_report
-from tasks.evaluate_checkpoint import eval_report, evaluate_checkpoint
-from tasks.models import load_base, load_policy, scorer
-from tasks.recipe import Recipe, parse_recipe
-from tasks.report import iteration_report
-from tasks.store import Store
+from tasks.reporting.eval_report import write_report
+from tasks.reporting.report import eval_report, iteration_report
+from tasks.stages import models
+from tasks.stages.evaluate import evaluate_checkpoint
+from tasks.stages.models import load_base, load_policy, scorer
+from tasks.stages.recipe import Recipe, parse_recipe
+from tasks.store.store import Store
 
 SIZES = {"flux2": (64, 64), "qwen_image": (64, 96)}  # (H, W); Qwen-Image's token grid is 8 x 12
 RECORDS = [
@@ -264,7 +264,7 @@ def test_flux2_klein_trains_with_recast_weights_from_a_positives_folder(tiny, tm
     import numpy as np
     from PIL import Image
 
-    from tasks.recast_gains import read_recast_gains
+    from tasks.stages.recast_gains import read_recast_gains
 
     folder = tmp_path / "positives"
     rng = np.random.default_rng(0)

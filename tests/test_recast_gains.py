@@ -23,9 +23,9 @@ from cast_core.recast_gains import (
 )
 from cast_core.shapes.prompts import make_record
 from cast_core.shapes.verifier import verify
-from tasks.models import load_policy, lora_tensors
-from tasks.plots import plot_recast_gains
-from tasks.recast_gains import (
+from tasks.stages.models import load_policy, lora_tensors
+from tasks.stages.plots import plot_recast_gains
+from tasks.stages.recast_gains import (
     PositiveFolderError,
     RecastConfig,
     load_images,
@@ -33,11 +33,11 @@ from tasks.recast_gains import (
     read_positive_folder,
     read_recast_gains,
 )
-from tasks.recast_gains import recast_gains as recast_stage
-from tasks.recipe import load_recipe
-from tasks.schemas import prompt_id
-from tasks.stage import derive_seed
-from tasks.store import Store
+from tasks.stages.recast_gains import recast_gains as recast_stage
+from tasks.stages.recipe import load_recipe
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import derive_seed
+from tasks.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

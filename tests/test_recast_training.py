@@ -23,9 +23,9 @@ from cast_core.recast_gains import (
     static_weights,
     training_weights,
 )
-from tasks.recast_gains import gains_for_training
-from tasks.recipe import RecipeError, load_recipe
-from tasks.store import Store
+from tasks.stages.recast_gains import gains_for_training
+from tasks.stages.recipe import RecipeError, load_recipe
+from tasks.store.store import Store
 
 SMALL_GAINS = {"recast.prompts": 8, "recast.samples_per_prompt": 2}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from tasks.recipe import RecipeError, load_recipe, parse_recipe
+from tasks.stages.recipe import RecipeError, load_recipe, parse_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "data" / "recipes"
 CI = RECIPES / "shapes-ci.toml"
@@ -225,7 +225,7 @@ def test_parse_recipe_names_its_source():
 
 
 def test_command_line_overrides_are_json_values_with_clear_errors():
-    from tasks.recipe import parse_overrides
+    from tasks.stages.recipe import parse_overrides
 
     assert parse_overrides(["prompts.per_iteration=4", 'run.name="x"', "train.lr=1e-4"]) == {
         "prompts.per_iteration": 4, "run.name": "x", "train.lr": 1e-4}

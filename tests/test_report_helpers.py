@@ -1,13 +1,14 @@
-"""The repository's one markdown-table helper (`tasks.markdown.table`) and one figure-to-PNG helper
-(`tasks.plots.figure`, `tasks.plots.png`): their output, and that no other module builds either."""
+"""The repository's one markdown-table helper (`tasks.reporting.markdown.table`) and one
+figure-to-PNG helper (`tasks.stages.plots.figure`, `tasks.stages.plots.png`): their output, and
+that no other module builds either."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from tasks.markdown import table
-from tasks.plots import figure, png
+from tasks.reporting.markdown import table
+from tasks.stages.plots import figure, png
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -45,8 +46,9 @@ def test_no_other_module_builds_a_markdown_rule_or_saves_a_figure():
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
             name = path.relative_to(ROOT).as_posix()
-            if rule.search(text) and name != "tasks/markdown.py":
+            if rule.search(text) and name != "tasks/reporting/markdown.py":
                 found.append(f"{name}: markdown rule")
-            if "savefig(" in text and name != "tasks/plots.py":
+            if "savefig(" in text and name != "tasks/stages/plots.py":
                 found.append(f"{name}: savefig")
-    assert not found, f"use tasks.markdown.table / tasks.plots.png instead: {found}"
+    assert not found, (f"use tasks.reporting.markdown.table / tasks.stages.plots.png instead: "
+                       f"{found}")

@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.sampling import sample_ode
 from cast_core.shapes.pretrain import PretrainConfig, make_batch, sample_t, tag_probabilities
-from tasks.pretrain_shapes import pretrain_shapes
+from tasks.stages.pretrain_shapes import pretrain_shapes
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)
 RECORD = {"tag": "hard_counted_relation", "prompt": "a photo of two red circles left of a blue square",

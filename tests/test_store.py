@@ -17,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.cli import EXAMPLE_QUERIES, main
-from tasks.schemas import TABLES, SchemaError, duckdb_type, prompt_id
-from tasks.store import Store
+from tasks.store.schemas import TABLES, SchemaError, duckdb_type, prompt_id
+from tasks.store.stage import code_version, source_files
+from tasks.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,7 +165,7 @@ def test_read_table_filters(tmp_path):
 
 
 def test_read_output_reads_a_stages_own_part_in_file_order_and_checks_the_schema(tmp_path):
-    from tasks.stage import StageRef
+    from tasks.store.stage import StageRef
 
     store = Store(tmp_path)
     rows = [_atom_row("p", i) for i in (2, 0, 1)]
@@ -397,3 +398,19 @@ def test_cli_runs_as_a_module_with_the_root_from_the_environment(tmp_path):
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["n", "-", "8", "(1 row)"]
+
+
+def test_code_version_hashes_every_source_of_cast_core_and_tasks():
+    """The code version covers every .py file under cast_core/ and tasks/, subpackages included
+    (tasks/store/stage.py sits two folders below the repository root)."""
+    root = Path(__file__).resolve().parents[1]
+    expected = [p for package in ("cast_core", "tasks")
+                for p in sorted((root / package).rglob("*.py"))]
+    assert [p.resolve() for p in source_files()] == [p.resolve() for p in expected]
+    listed = {p.resolve().relative_to(root).as_posix() for p in source_files()}
+    assert {"tasks/store/stage.py", "tasks/stages/rollout.py", "tasks/reporting/report.py",
+            "cast_core/csg/graph.py"} <= listed
+    digest = hashlib.sha256()
+    for path in expected:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    assert code_version() == digest.hexdigest()[:16]

@@ -14,6 +14,7 @@ In import order (a module imports only modules above it):
 - `figures`: figures.json, the targets and whether each was met (<- tables, summary, ...);
 - `report`: report.md with everything beside it (<- figures, plots, tables, summary, ...);
 - `benchmark`: `run_benchmark`, from sizes to report (<- report, run, summary, ...).
-Outside the package they import `tasks` (stages, store, recipe; `tasks.markdown.table` and
-`tasks.plots.png` for tables and plots) and `cast_core.csg.graph`; `tasks` never imports them.
+Outside the package they import `tasks` (stages, store, recipe; `tasks.reporting.markdown.table`
+and `tasks.stages.plots.png` for tables and plots) and `cast_core.csg.graph`; `tasks` never
+imports them.
 """

@@ -92,7 +92,7 @@ class Arm:
 def arms(suite: str | None = None) -> tuple[Arm, ...]:
     """The suite's arms (None: every arm of every suite), flowgrpo first; the fixed-window arms
     take the flowgrpo recipe's window section."""
-    from tasks.recipe import load_recipe
+    from tasks.stages.recipe import load_recipe
 
     if suite is not None and suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}; got {suite!r}")

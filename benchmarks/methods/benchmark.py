@@ -40,9 +40,9 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     added to a finished store after a code change train alone (the report's recipes table says
     which code each run's records carry only through their keys; that the results do not depend
     on it is for the caller to know)."""
-    from tasks.prompt_sets import load_prompts
-    from tasks.run_pin import pin_recipe
-    from tasks.store import Store
+    from tasks.stages.prompt_sets import load_prompts
+    from tasks.store.run_pin import pin_recipe
+    from tasks.store.store import Store
 
     start, store = time.perf_counter(), Store(store_dir)
     arm_defs, seeds = select_arms(suite, only), list(range(size.seeds))

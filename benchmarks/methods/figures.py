@@ -11,7 +11,7 @@ from methods.stats import Ratio, t_interval
 from methods.store_reads import Results
 from methods.summary import Summary
 from methods.tables import fmt
-from tasks.markdown import table
+from tasks.reporting.markdown import table
 
 # The targets the benchmark is judged against.
 GOAL_POOL_GAIN, GOAL_HARD_GAIN, GOAL_RUN_MINUTES = 0.10, 0.03, 15.0

@@ -8,7 +8,7 @@ from methods.arms import BASELINE
 from methods.protocols import FINAL_SPLITS, METRICS
 from methods.stats import t_interval
 from methods.summary import ITERATION_STAGES, Summary
-from tasks.plots import figure, png
+from tasks.stages.plots import figure, png
 
 
 def _arm_colors(arm_names: list[str]) -> dict:

@@ -137,7 +137,7 @@ def eval_passes(size: Size, held_out: dict[str, str], pool: str = POOL) -> dict[
 
 def with_eval(recipe, p: EvalPass):
     """The recipe with its eval section replaced by the pass's (validated)."""
-    from tasks.recipe import EvalSection
+    from tasks.stages.recipe import EvalSection
 
     ev = recipe.eval
     section = EvalSection(splits=p.splits, images_per_prompt=p.images, num_steps=ev.num_steps,
@@ -196,7 +196,7 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
     of every evaluation; `pool` another training pool file; `kl_target` sets
     `train.kl_target_nats`, None a constant lr even where the recipe targets a KL; `settings`
     {dotted key: value} are set on every arm after its own overrides, as `--set` does)."""
-    from tasks.recipe import load_recipe
+    from tasks.stages.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
              "window.calibration_prompts": size.calibration_prompts, "run.threads": threads,
@@ -213,7 +213,7 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
 
 def check_paired_evals(recipes: list, passes: dict[str, EvalPass]) -> None:
     """Raise unless every recipe (arms and base) has the same eval spec under each pass."""
-    from tasks.evaluate_checkpoint import eval_spec_hash
+    from tasks.stages.evaluate import eval_spec_hash
 
     for p in passes.values():
         if len({eval_spec_hash(with_eval(r, p)) for r in recipes}) != 1:

@@ -28,7 +28,7 @@ from methods.tables import (
     time_table,
     type_gain_table,
 )
-from tasks.markdown import table
+from tasks.reporting.markdown import table
 
 HISTORY = Path(__file__).resolve().parents[2] / "reports" / "bench-methods-history.md"
 TRIED_HEADING = "## What was tried"
@@ -125,7 +125,7 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
                  rs: RecastSummary | None = None) -> dict:
     """report.md, figures.json, the plots and the copied grids under `out` -> {"report",
     "figures"} (paths)."""
-    from tasks.store import atomic_write_bytes
+    from tasks.store.store import atomic_write_bytes
 
     store, prefix, last = setup["store"], setup["prefix"], setup["size"].iterations - 1
     entries = figures(sm, setup) + hacking_figures(sm, res, prefix, last)

@@ -1,7 +1,7 @@
 """Running the methods benchmark's stages: one arm x seed run with its probes and final
 evaluation (`train_run`), many runs in spawned worker processes (`train_runs`), and the base
 model's evaluations (`evaluate_base`). Stages are called as plain functions (no Prefect server) in
-the order of `tasks.iteration`, on one store; a stage already finished there is skipped, so a
+the order of `tasks.stages.iteration`, on one store; a stage already finished there is skipped, so a
 re-run resumes."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from methods.protocols import FINAL_SPLITS, EvalPass, Size, with_eval
 def train_run(store, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
     """Run-level stages, the iterations with a probe after each, and the final evaluation ->
     {(iteration, what): StageRef} (what: a stage name, or "eval:<pass>")."""
-    from tasks.evaluate_checkpoint import evaluate_checkpoint
-    from tasks.iteration import plain_stages, run_iteration, run_setup
+    from tasks.stages.evaluate import evaluate_checkpoint
+    from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 
     stages = plain_stages()
     setup = run_setup(stages, store, recipe)
@@ -38,7 +38,7 @@ def train_run(store, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
 def _train_run_in_worker(store_dir: str, recipe, size: Size, passes: dict[str, EvalPass]) -> dict:
     """`train_run` in a worker process: its own Store on the same root (every write is atomic and
     the catalog rebuild is locked, so runs of different names may write side by side)."""
-    from tasks.store import Store
+    from tasks.store.store import Store
 
     return train_run(Store(store_dir), recipe, size, passes)
 
@@ -60,7 +60,7 @@ def train_runs(store, runs: list, size: Size, passes: dict[str, EvalPass],
 
 def evaluate_base(store, recipe, passes: dict[str, EvalPass]) -> dict:
     """Every pass on the base model (iteration -1) -> {(-1, "eval:<pass>"): StageRef}."""
-    from tasks.evaluate_checkpoint import evaluate_checkpoint
+    from tasks.stages.evaluate import evaluate_checkpoint
 
     return {(-1, f"eval:{p.name}"): evaluate_checkpoint(store, with_eval(recipe, p), -1)
             for p in passes.values()}
@@ -71,9 +71,9 @@ def recorded_refs(store, runs: list[str], iterations: int, passes: dict[str, Eva
     (iterations = -1: the base's passes) return them on a finished store, from the latest valid
     completion record of each stage whatever its cache key. An evaluation's pass is the split
     its `evals` part names. Raises FileNotFoundError naming what a run has not finished."""
-    from tasks.evaluate_checkpoint import STAGE as EVALUATE
-    from tasks.evaluate_checkpoint import evals_part
-    from tasks.stage import StageRef
+    from tasks.stages.evaluate import STAGE as EVALUATE
+    from tasks.stages.evaluate import evals_part
+    from tasks.store.stage import StageRef
 
     out = {}
     for run in runs:

@@ -92,7 +92,7 @@ def read_results(store, refs: dict, outputs: dict) -> Results:
     """`refs` {run: {(iteration, what): StageRef}} from the calls (or the store's records);
     `outputs` {(run, iteration, pass): EvalPass} of the evaluations whose per-image scores and
     grids to read (found through their refs' paths)."""
-    from tasks.evaluate_checkpoint import outputs_of, read_image_scores
+    from tasks.stages.evaluate import outputs_of, read_image_scores
 
     store.refresh_catalog()
     runs = sorted(refs)

@@ -35,7 +35,7 @@ from methods.stats import (
     t_interval,
 )
 from methods.store_reads import Results
-from tasks.iteration import RUN_STAGES
+from tasks.stages.iteration import RUN_STAGES
 
 ITERATION_STAGES = ("rollout", "score_atoms", "compute_advantages", "train_epoch")
 

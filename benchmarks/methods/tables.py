@@ -12,7 +12,7 @@ from methods.protocols import FINAL_SPLITS, METRICS, run_name
 from methods.stats import Interval, Ratio, t_interval
 from methods.store_reads import DIAGNOSTIC_COLUMNS, Results
 from methods.summary import ITERATION_STAGES, Summary, one_change
-from tasks.markdown import table
+from tasks.reporting.markdown import table
 
 
 def fmt(x: float | None, digits: int = 3) -> str:

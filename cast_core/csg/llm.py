@@ -127,7 +127,8 @@ def scene_graph(prompt: str, spec: SceneSpec, tag: str | None = None) -> SceneGr
 
 
 class AnswerCache(Protocol):
-    """Where accepted answers (`SceneSpec.to_dict()`) are kept; e.g. tasks.csg_cache.CsgCache."""
+    """Where accepted answers (`SceneSpec.to_dict()`) are kept; e.g.
+    tasks.stages.csg_cache.CsgCache."""
 
     def get(self, prompt: str, model_id: str, template_version: str) -> dict[str, Any] | None:
         """The cached answer, or None (missing or unreadable)."""

@@ -6,7 +6,7 @@ HTTP server that serves a loaded scorer, and its command line, are `flows.scorer
 
 A scorer id is what score caches key on, built by the scorer's own module:
 `cast_core.shapes.verifier.scorer_id` and `cast_core.scorers.soft_tifa.scorer_id` (the model's
-content identity and the config), the same functions a local run's `tasks.models.scorer_id`
+content identity and the config), the same functions a local run's `tasks.stages.models.scorer_id`
 calls, so a served scorer and the same scorer loaded in-process have one id.
 """
 

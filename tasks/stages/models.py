@@ -24,8 +24,8 @@ from cast_core.csg.graph import SceneGraph
 from cast_core.csg.parser import graph_from_geneval
 from cast_core.hub_snapshot import model_identity
 from cast_core.policy import add_lora
-from tasks.recipe import Recipe
-from tasks.stage import derive_seed
+from tasks.stages.recipe import Recipe
+from tasks.store.stage import derive_seed
 
 
 def set_threads(recipe: Recipe) -> None:
@@ -116,7 +116,7 @@ def graph_builder(recipe: Recipe) -> Callable[[dict], SceneGraph]:
         return graph_from_geneval
     from cast_core.csg.llm import LlmCsgBuilder
     from cast_core.csg.llm_clients import ChatEndpointClient, LocalCausalLMClient
-    from tasks.csg_cache import CsgCache
+    from tasks.stages.csg_cache import CsgCache
 
     if b.kind == "llm-chat":
         api_key = None

@@ -12,7 +12,7 @@ iterations; `cast_core.policy.linear_warmup_lr`) applied to the iteration's lr (
 `train.lr`, or with `train.kl_target_nats` the previous iteration's lr scaled by how far that
 iteration moved the policy, so that each iteration moves about the target). With `recast.weighting` "static" or "recast"
 the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
-weighted by `tasks.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
+weighted by `tasks.stages.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
 stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
 - `train_steps`: one row per optimizer step with the samples it used, loss, clip fraction, ratio
   mean/std (also the ratio mean and clip fraction per window step), the ratio's k3, the KL to the
@@ -71,7 +71,8 @@ from cast_core.policy import (
 )
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
-from tasks.models import (
+from tasks.stages.guard import stage_task
+from tasks.stages.models import (
     base_hash,
     load_optimizer_state,
     load_policy,
@@ -79,13 +80,13 @@ from tasks.models import (
     optimizer_tensors,
     set_threads,
 )
-from tasks.policy_state import PolicyState, policy_for
-from tasks.recast_gains import reward_step_weights
-from tasks.recipe import Recipe
-from tasks.rollout_groups import rollout_spec
-from tasks.score_atoms import load_graphs, load_rollout_rows
-from tasks.stage import StageRef, StageRefused, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.stages.policy_state import PolicyState, policy_for
+from tasks.stages.recast_gains import reward_step_weights
+from tasks.stages.recipe import Recipe
+from tasks.stages.rollout import rollout_spec
+from tasks.stages.score_atoms import load_graphs, load_rollout_rows
+from tasks.store.stage import StageRef, StageRefused, derive_seed, make_key, run_stage
+from tasks.store.store import Store
 
 STAGE = "train_epoch"
 

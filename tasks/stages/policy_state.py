@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pyarrow.compute as pc
 
-from tasks.models import base_hash
-from tasks.recipe import Recipe
-from tasks.store import Store
+from tasks.stages.models import base_hash
+from tasks.stages.recipe import Recipe
+from tasks.store.store import Store
 
 
 @dataclass(frozen=True)

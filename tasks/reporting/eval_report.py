@@ -1,7 +1,8 @@
 """The evaluation report of one run: the store's tables and blobs -> `report.md` with PNG plots
 beside it, linked relatively, for a person to read.
 
-    .venv/bin/python -m tasks.eval_report --store runs/store --run shapes-cast --out runs/report
+    .venv/bin/python -m tasks.reporting.eval_report --store runs/store --run shapes-cast \\
+        --out runs/report
 
 The eval flow (`flows/evaluate.py`) writes it after each evaluation, to `<store>/reports/<run>/`
 unless told otherwise. Sections: strict accuracy and mean atom score by iteration per split; per
@@ -33,10 +34,10 @@ import numpy as np
 import torch
 from prefect import task
 
-from tasks.markdown import table
-from tasks.plots import figure, png
-from tasks.report import store_root
-from tasks.store import Store, atomic_write_bytes
+from tasks.reporting.markdown import table
+from tasks.stages.plots import figure, png
+from tasks.store.locations import store_root
+from tasks.store.store import Store, atomic_write_bytes
 
 REPORT = "report.md"
 GROUP_KINDS = (("tag", "strict_accuracy", "strict"), ("atom_count", "strict_accuracy", "strict"),
@@ -162,7 +163,7 @@ def _atom_type_plot(rows: list[dict], first: int, last: int) -> bytes:
 def _calibration_plot(curve: list[dict], window: dict) -> bytes:
     from cast_core.calibration import Calibration
     from cast_core.window import FormationPoint, SdeWindow
-    from tasks.plots import plot_calibration
+    from tasks.stages.plots import plot_calibration
 
     mean = torch.tensor([r["similarity_mean"] for r in curve], dtype=torch.float64)
     std = torch.tensor([r["similarity_std"] for r in curve], dtype=torch.float64)

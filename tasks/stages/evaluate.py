@@ -2,12 +2,12 @@
 the whole split ("overall"), each tag, each atom type and each atom count (the number of atoms of
 the prompt), an image grid per split and a bar plot (PNG blobs).
 
-Prompts: each split's file read for the recipe's family (`tasks.prompt_sets.load_prompts`), first
-`eval.max_prompts`; graphs from the recipe's CSG builder (built once). Images:
+Prompts: each split's file read for the recipe's family (`tasks.stages.prompt_sets.load_prompts`),
+first `eval.max_prompts`; graphs from the recipe's CSG builder (built once). Images:
 `eval.images_per_prompt` per prompt, ODE sampling at the eval section's steps and CFG in chunks of
 `sampling.chunk_size` images, decoded per chunk and kept on the CPU as float32 in [0, 1] (what the
 scorer protocol takes); image i of a prompt is seeded from the prompt text and index
-`eval.seed_offset` + i (`tasks.evaluate.content_seed`), so every checkpoint is judged on the same
+`eval.seed_offset` + i (`content_seed`), so every checkpoint is judged on the same
 starting noise, and two evaluations with disjoint index ranges on fresh noise. Strict accuracy:
 every atom of the image scores > 0.5. Diversity: mean over prompts of the mean pairwise (1 - cosine)
 between the unit embeddings of the prompt's images (how much a checkpoint's samples for one prompt
@@ -23,7 +23,13 @@ evaluation, say): the `evals` part is named by run, iteration and the sorted spl
 evaluations of different splits sit side by side, while a re-evaluation of the same splits
 replaces the previous one. Beside the rows, a JSON blob keeps every image's atom scores (prompt
 and image index; for intervals with prompts as clusters); `eval_outputs` finds it and each
-split's grid."""
+split's grid.
+
+`evaluate_records` is the same seeding without a store or recipe: a prompt list sampled by a
+backbone and scored by the shapes verifier (the base evaluation, `flows/base_eval.py`). Seeds come
+from the prompt text and the image index (`content_seed`, sha256), never from batch position, so
+the same prompt gets the same starting noise in every evaluation, whatever the prompt file or
+batch size."""
 
 from __future__ import annotations
 
@@ -34,24 +40,33 @@ from dataclasses import dataclass
 
 import torch
 from prefect import task
+from tqdm.auto import tqdm
 
+from cast_core.csg.parser import graph_from_geneval
 from cast_core.diagnostics import high_frequency_energy
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.metrics import ImageResult, image_groups, summarise, summarise_by_atom_type
 from cast_core.sampling import sample_ode
-from tasks.calibrate_window import image_embedder, image_embedder_spec
-from tasks.evaluate import content_seed
-from tasks.models import graph_builder, load_policy, scorer, scorer_id, set_threads
-from tasks.plots import figure, png
-from tasks.policy_state import policy_for
-from tasks.prompt_sets import load_prompts
-from tasks.recipe import Recipe
-from tasks.rollout_groups import contact_sheet
-from tasks.score_atoms import score_in_chunks
-from tasks.stage import StageRef, make_key, run_stage, stage_task
-from tasks.store import Store
+from cast_core.shapes.verifier import verify
+from tasks.stages.calibrate_window import image_embedder, image_embedder_spec
+from tasks.stages.guard import stage_task
+from tasks.stages.models import graph_builder, load_policy, scorer, scorer_id, set_threads
+from tasks.stages.plots import figure, png
+from tasks.stages.policy_state import policy_for
+from tasks.stages.prompt_sets import load_prompts
+from tasks.stages.recipe import Recipe
+from tasks.stages.rollout import contact_sheet
+from tasks.stages.score_atoms import score_in_chunks
+from tasks.store.stage import StageRef, make_key, run_stage
+from tasks.store.store import Store
 
 STAGE = "evaluate"
+
+
+def content_seed(prompt: str, index: int, salt: str = "eval") -> int:
+    """A 63-bit seed from (salt, prompt text, image index)."""
+    digest = hashlib.sha256(f"{salt}|{prompt}|{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _diversity_embedder(recipe: Recipe):
@@ -250,33 +265,26 @@ def latest_checkpoint(store: Store, recipe: Recipe) -> int:
     return store.last_finished_iteration(recipe.run.name, "train_epoch")
 
 
-def eval_report(store: Store, recipe: Recipe, iteration: int) -> dict:
-    """Refresh the catalog and print this checkpoint's table per group (and the history)."""
-    from tasks.report import format_rows
-
-    store.refresh_catalog()
-    con = store.connect_readonly()
-    try:
-        cursor = con.execute(
-            "SELECT split, group_kind, group_name, images, round(strict_accuracy, 3)::DOUBLE AS "
-            "strict, round(mean_score, 3)::DOUBLE AS mean_score, round(diversity, 4)::DOUBLE AS "
-            "diversity, round(hf_energy, 4)::DOUBLE AS hf_energy FROM evals WHERE run_id = $run "
-            "AND iteration = $k ORDER BY split, group_kind DESC, TRY_CAST(group_name AS INTEGER), "
-            "group_name",
-            {"run": recipe.run.name, "k": iteration})
-        columns, rows = [d[0] for d in cursor.description], cursor.fetchall()
-        history = con.execute(
-            "SELECT iteration, split, round(strict_accuracy, 3)::DOUBLE FROM evals WHERE run_id = "
-            "$run AND group_kind = 'overall' ORDER BY iteration, split",
-            {"run": recipe.run.name}).fetchall()
-    finally:
-        con.close()
-    print(f"run {recipe.run.name!r}, checkpoint of iteration {iteration} (-1 = base):\n"
-          f"{format_rows(columns, rows)}\n\nstrict accuracy (overall) by iteration:\n"
-          f"{format_rows(['iteration', 'split', 'strict'], history)}")
-    return {"run_id": recipe.run.name, "iteration": iteration,
-            "rows": [dict(zip(columns, r)) for r in rows]}
-
-
 latest_checkpoint_task = task(latest_checkpoint, name="latest_checkpoint")
-eval_report_task = task(eval_report, name="eval_report")
+
+
+def evaluate_records(backbone, records: list[dict], images_per_prompt: int = 4,
+                     num_steps: int = 10, guidance_scale: float = 4.0,
+                     chunk_prompts: int = 32) -> list[ImageResult]:
+    """Sample `images_per_prompt` images per GenEval-style record (seeds `content_seed`) and score
+    all their atoms with the shapes verifier; no store, no recipe."""
+    graphs = [graph_from_geneval(r) for r in records]
+    results: list[ImageResult] = []
+    for lo in tqdm(range(0, len(records), chunk_prompts), desc="evaluate", unit="chunk",
+                   mininterval=2.0):
+        chunk = list(range(lo, min(lo + chunk_prompts, len(records))))
+        prompts = [records[i]["prompt"] for i in chunk for _ in range(images_per_prompt)]
+        seeds = [content_seed(records[i]["prompt"], k) for i in chunk
+                 for k in range(images_per_prompt)]
+        x0 = sample_ode(backbone, prompts, seeds, num_steps, guidance_scale)
+        chunk_graphs = [graphs[i] for i in chunk for _ in range(images_per_prompt)]
+        scored = verify(backbone.decode(x0), chunk_graphs)
+        for graph, s in zip(chunk_graphs, scored):
+            results.append(ImageResult(tag=graph.tag or "untagged", scores=s.scores,
+                                       atom_types=tuple(a.type for a in graph.atoms())))
+    return results

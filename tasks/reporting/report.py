@@ -1,11 +1,13 @@
-"""Small tasks around the stages: which iteration is next, and the end-of-iteration report
-(refresh the DuckDB catalog, query this iteration's atom scores and training diagnostics, print
-where results are).
+"""The reports a flow prints when it ends: the end-of-iteration report (refresh the DuckDB catalog,
+query this iteration's atom scores and training diagnostics, print where results are) and the
+evaluation's summary (`eval_report`: this checkpoint's `evals` rows per group and the history of
+strict accuracy).
 
-The report also draws the iteration's labelled rollout contact sheet (`tasks.contact_sheet`: the
-prompt above each row, each sample's mean atom score under it) and copies the run's window
-calibration plot, both into `<store>/reports/<run>/` (`report_paths`), and inside a Prefect run
-attaches both as image artifacts, so they show in the UI.
+The iteration report also draws the iteration's labelled rollout contact sheet
+(`tasks.reporting.contact_sheet`: the prompt above each row, each sample's mean atom score under
+it) and copies the run's window calibration plot, both into `<store>/reports/<run>/`
+(`report_paths`), and inside a Prefect run attaches both as image artifacts, so they show in the
+UI.
 """
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ import duckdb
 import numpy as np
 from prefect import task
 
-from tasks.contact_sheet import SheetRow, labelled_sheet
-from tasks.locations import store_root
-from tasks.recipe import Recipe
-from tasks.store import Store
+from tasks.reporting.contact_sheet import SheetRow, labelled_sheet
+from tasks.stages.recipe import Recipe
+from tasks.store.store import Store
 
-__all__ = ["iteration_report", "iteration_report_task", "next_iteration", "next_iteration_task",
-           "report_paths", "store_root"]
+__all__ = ["eval_report", "eval_report_task", "iteration_report", "iteration_report_task",
+           "report_paths"]
 
 ITERATION_QUERY = """
 SELECT atom_type,
@@ -64,11 +65,6 @@ def report_paths(store: Store, run_id: str, iteration: int) -> ReportPaths:
     folder = store.root / "reports" / run_id
     return ReportPaths(folder / f"iteration-{iteration:05d}-rollouts.png",
                        folder / "window-calibration.png")
-
-
-def next_iteration(store: Store, recipe: Recipe) -> int:
-    """Last iteration whose training finished, plus one (0 for a new run)."""
-    return store.last_finished_iteration(recipe.run.name, "train_epoch") + 1
 
 
 def format_rows(columns: list[str], rows: list[tuple]) -> str:
@@ -172,5 +168,31 @@ def iteration_report(store: Store, recipe: Recipe, iteration: int) -> dict:
                             "constant_reward_alarm": alarm, "alarm_reason": reason}}
 
 
-next_iteration_task = task(next_iteration, name="next_iteration")
+def eval_report(store: Store, recipe: Recipe, iteration: int) -> dict:
+    """Refresh the catalog and print this checkpoint's table per group (and the history)."""
+    store.refresh_catalog()
+    con = store.connect_readonly()
+    try:
+        cursor = con.execute(
+            "SELECT split, group_kind, group_name, images, round(strict_accuracy, 3)::DOUBLE AS "
+            "strict, round(mean_score, 3)::DOUBLE AS mean_score, round(diversity, 4)::DOUBLE AS "
+            "diversity, round(hf_energy, 4)::DOUBLE AS hf_energy FROM evals WHERE run_id = $run "
+            "AND iteration = $k ORDER BY split, group_kind DESC, TRY_CAST(group_name AS INTEGER), "
+            "group_name",
+            {"run": recipe.run.name, "k": iteration})
+        columns, rows = [d[0] for d in cursor.description], cursor.fetchall()
+        history = con.execute(
+            "SELECT iteration, split, round(strict_accuracy, 3)::DOUBLE FROM evals WHERE run_id = "
+            "$run AND group_kind = 'overall' ORDER BY iteration, split",
+            {"run": recipe.run.name}).fetchall()
+    finally:
+        con.close()
+    print(f"run {recipe.run.name!r}, checkpoint of iteration {iteration} (-1 = base):\n"
+          f"{format_rows(columns, rows)}\n\nstrict accuracy (overall) by iteration:\n"
+          f"{format_rows(['iteration', 'split', 'strict'], history)}")
+    return {"run_id": recipe.run.name, "iteration": iteration,
+            "rows": [dict(zip(columns, r)) for r in rows]}
+
+
 iteration_report_task = task(iteration_report, name="report")
+eval_report_task = task(eval_report, name="eval_report")

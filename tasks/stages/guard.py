@@ -1,50 +1,40 @@
-"""Checking recorded outputs against their hashes, and rebuilding a damaged one from its inputs.
+"""A stage's Prefect task (`stage_task`) and what it checks before the stage runs; rebuilding a
+damaged output from its recorded inputs.
 
-Every completion row of `stages` names its outputs and their sha256 (one per path since `stages`
-version 2; older rows only a combined hash, and a blob's name is its hash). `check_record` rehashes
-a record's files: each is ok, missing, changed (other bytes than recorded), unreadable (a Parquet
-part whose footer does not read) or collected (deleted on purpose by `cast gc`). Only a path's
-latest record speaks for it: a record whose table part a later record of the same stage rewrote
-(another config, another code version) is superseded, not damaged.
+`stage_task` wraps a stage function `fn(store, recipe, ...) -> StageRef` (`tasks.store.stage`'s
+protocol) as a Prefect task. Prefect's result cache is keyed on the stage's content-hash key, but
+only once the store confirms the stage is done; results are persisted as JSON (never pickle).
+Before `fn` runs, the task calls `guard_stage`: the run must be pinned to this recipe
+(`tasks.store.run_pin`), and a training iteration's stages first check what the iteration builds
+on.
 
-Before a training iteration k starts (`prepare_iteration`, run by every training stage's Prefect
-task through `guard_stage`), the run is checked against its pinned recipe and the current records
-of the run-level stages and of iteration k - 1 are checked. A damaged one is rebuilt by running
-its stage again on its recorded inputs (its cache key computed now must be the recorded one, up to
-a change of code version), and kept only if the rebuilt output has exactly the recorded hash;
-otherwise `DamagedOutputError` names the files and the commands that repair them. Older
-iterations are left to `cast verify` (`verify_store` over every record; `--repair` runs the same
-rebuilds): rehashing a whole run before each of its iterations would grow with the run, while one
-iteration's outputs cost a fraction of a second for the shapes world (about 17 MB).
+Before a training iteration k starts (`prepare_iteration`), the current records of the run-level
+stages and of iteration k - 1 are checked (`tasks.store.integrity.check_record`). A damaged one is
+rebuilt by running its stage again on its recorded inputs (its cache key computed now must be the
+recorded one, up to a change of code version), and kept only if the rebuilt output has exactly the
+recorded hash; otherwise `DamagedOutputError` names the files and the commands that repair them.
+Older iterations are left to `cast verify` (`verify_store` over every record; `--repair` runs the
+same rebuilds, `repair`): rehashing a whole run before each of its iterations would grow with the
+run, while one iteration's outputs cost a fraction of a second for the shapes world (about 17 MB).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-from cast_core.hub_snapshot import file_sha256
-from tasks import stage as stage_protocol  # code_version looked up at call time
-from tasks.recipe import Recipe
-from tasks.run_pin import pin_recipe
-from tasks.stage import RUN_LEVEL, StageRef
-from tasks.store import (
-    BlobRef,
-    StageRecord,
-    Store,
-    blob_name_hash,
-    combined_hash,
-    parquet_readable,
-)
+from tasks.stages.iteration import ITERATION_STAGES, RUN_STAGES
+from tasks.stages.recipe import Recipe
+from tasks.store import stage as stage_protocol  # code_version looked up at call time
+from tasks.store.integrity import PROBLEMS, RecordCheck, check_record, current_records
+from tasks.store.run_pin import pin_recipe
+from tasks.store.stage import RUN_LEVEL, StageRef
+from tasks.store.store import StageRecord, Store
 
-PathStatus = Literal["ok", "missing", "changed", "unreadable", "collected"]
 # The stages of a training iteration in the order the flow runs them (run-level ones first).
-TRAINING_CHAIN = ("build_csgs", "calibrate_window", "rollout", "score_atoms",
-                  "compute_advantages", "recast_gains", "train_epoch")
-_PROBLEMS = {"missing": "missing", "changed": "sha256 differs from the recorded one",
-             "unreadable": "not a readable Parquet file"}
+TRAINING_CHAIN = RUN_STAGES + ITERATION_STAGES
 
 
 class DamagedOutputError(RuntimeError):
@@ -55,86 +45,35 @@ class NotRebuildable(RuntimeError):
     """Why a damaged record cannot be rebuilt from its recorded inputs here."""
 
 
-@dataclass(frozen=True)
-class PathCheck:
-    path: str
-    status: PathStatus
+def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., str]):
+    """The Prefect task of a stage function `fn(store, recipe, ...) -> StageRef`.
 
+    Prefect's result cache is keyed on `key_fn` (the stage's content-hash key, called with the
+    parameters it names) but only once the store confirms the stage is done; results are
+    persisted as JSON (never pickle) under Prefect's local storage path. The task runs
+    `guard_stage` before `fn` (recipe pin; inputs of a training iteration).
+    """
+    from prefect import task
 
-@dataclass(frozen=True)
-class RecordCheck:
-    """One record (or, `record` None, a table part no record names) and its files' checks."""
+    names = list(inspect.signature(key_fn).parameters)
+    signature = inspect.signature(fn)
 
-    record: StageRecord | None
-    paths: tuple[PathCheck, ...]
-    superseded: bool = False
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs) -> StageRef:
+        bound = signature.bind(*args, **kwargs).arguments
+        guard_stage(bound["store"], bound["recipe"], stage, bound.get("iteration", RUN_LEVEL))
+        return fn(*args, **kwargs)
 
-    @property
-    def damaged(self) -> tuple[PathCheck, ...]:
-        return tuple(p for p in self.paths if p.status in _PROBLEMS)
+    def cache_key_fn(context, parameters) -> str | None:
+        store, recipe = parameters["store"], parameters["recipe"]
+        key = key_fn(**{n: parameters[n] for n in names})
+        iteration = parameters.get("iteration", RUN_LEVEL)
+        if store.stage_done(recipe.run.name, iteration, stage, key) is None:
+            return None
+        return f"{recipe.run.name}-{iteration}-{stage}-{key}"
 
-    @property
-    def status(self) -> str:
-        if self.superseded:
-            return "superseded"
-        return "damaged" if self.damaged else "ok"
-
-    def problems(self) -> str:
-        return "; ".join(f"{p.path}: {_PROBLEMS[p.status]}" for p in self.damaged)
-
-
-def check_record(store: Store, record: StageRecord, collected: set[str]) -> RecordCheck:
-    """Rehash each file a record names and compare with what the record says."""
-    checks, actual = [], []
-    for i, path in enumerate(record.paths):
-        expected = (record.path_hashes[i] if record.path_hashes is not None
-                    else blob_name_hash(path))
-        full = store.resolve(path)
-        if not full.exists():
-            checks.append(PathCheck(path, "collected" if path in collected else "missing"))
-            actual.append(BlobRef(path, expected or ""))
-            continue
-        digest = file_sha256(full)
-        actual.append(BlobRef(path, digest))
-        if expected is not None:
-            checks.append(PathCheck(path, "ok" if digest == expected else "changed"))
-        else:  # a table part of a version-1 record: only the combined hash knows its bytes
-            checks.append(PathCheck(path, "ok" if parquet_readable(full) else "unreadable"))
-    if record.path_hashes is None and all(c.status in ("ok", "collected") for c in checks) \
-            and combined_hash(actual) != record.content_hash:
-        checks = [PathCheck(c.path, "changed") if blob_name_hash(c.path) is None else c
-                  for c in checks]
-    return RecordCheck(record, tuple(checks))
-
-
-def current_records(records: Sequence[StageRecord]) -> tuple[list[StageRecord], list[StageRecord]]:
-    """(current, superseded): a record is superseded when a later record rewrote one of its
-    table parts (blobs are content-addressed, so sharing one supersedes nothing)."""
-    ordered = sorted(records, key=lambda r: r.finished_at)
-    owner = {p: id(r) for r in ordered for p in r.paths if p.startswith("tables/")}
-    current = [r for r in ordered
-               if all(owner[p] == id(r) for p in r.paths if p.startswith("tables/"))]
-    kept = {id(r) for r in current}
-    return current, [r for r in ordered if id(r) not in kept]
-
-
-def verify_store(store: Store, run_id: str | None = None) -> list[RecordCheck]:
-    """Every record of the store (or of one run) checked, superseded ones marked, and every
-    unreadable table part that no record names (e.g. a `stages` part itself)."""
-    collected = store.collected_paths()
-    records = store.stage_records()
-    current, superseded = current_records(records)
-    mine = [r for r in current if run_id in (None, r.run_id)]
-    checks = [check_record(store, r, collected) for r in mine]
-    checks += [RecordCheck(r, (), superseded=True) for r in superseded
-               if run_id in (None, r.run_id)]
-    named = {p for r in records for p in r.paths}
-    for table in sorted({p.parent.name for p in (store.root / "tables").glob("*/*.parquet")}):
-        for part in store.parts(table):
-            relative = part.relative_to(store.root).as_posix()
-            if relative not in named and not parquet_readable(part):
-                checks.append(RecordCheck(None, (PathCheck(relative, "unreadable"),)))
-    return checks
+    return task(guarded, name=stage, cache_key_fn=cache_key_fn, persist_result=True,
+                result_serializer="json")
 
 
 def prepare_iteration(store: Store, recipe: Recipe, iteration: int) -> list[StageRef]:
@@ -205,11 +144,11 @@ def _stage_call(store: Store, recipe: Recipe, stage: str,
                 iteration: int) -> tuple[str, Callable[[], StageRef]]:
     """(the stage's cache key now, a call that runs it) from the current intact records of its
     inputs; NotRebuildable for a stage this module does not rebuild."""
-    from tasks import (
+    from tasks.stages import (  # not at the top: each stage module imports this one
         build_csgs,
         calibrate_window,
         compute_advantages,
-        rollout_groups,
+        rollout,
         score_atoms,
         train_epoch,
     )
@@ -226,8 +165,8 @@ def _stage_call(store: Store, recipe: Recipe, stage: str,
     csgs = up("build_csgs", RUN_LEVEL)
     if stage == "rollout":
         window = up("calibrate_window", RUN_LEVEL)
-        return (rollout_groups.cache_key(store, recipe, csgs, window, i),
-                lambda: rollout_groups.rollout_groups(store, recipe, csgs, window, i))
+        return (rollout.cache_key(store, recipe, csgs, window, i),
+                lambda: rollout.rollout_groups(store, recipe, csgs, window, i))
     rollouts = up("rollout", i)
     if stage == "score_atoms":
         return (score_atoms.cache_key(store, recipe, csgs, rollouts),
@@ -256,7 +195,7 @@ def _intact_ref(store: Store, run_id: str, stage: str, iteration: int) -> StageR
 
 def _repair_message(store: Store, recipe: Recipe, check: RecordCheck, why: str) -> str:
     r = check.record
-    files = "\n".join(f"  {p.path}: {_PROBLEMS[p.status]}" for p in check.damaged)
+    files = "\n".join(f"  {p.path}: {PROBLEMS[p.status]}" for p in check.damaged)
     where = "the run-level" if r.iteration == RUN_LEVEL else f"iteration {r.iteration}'s"
     return (f"run {r.run_id!r}: {where} {r.stage} output is damaged and was not rebuilt:\n"
             f"{files}\nIt cannot be rebuilt here: {why}.\n"

@@ -1,8 +1,8 @@
 """Every table's Arrow schema, declared once, with a version number per table.
 
-The store (`tasks/store.py`) checks each write against these declarations and writes every Parquet
-file with exactly the declared schema, so the DuckDB views over a table's files agree on column
-types; the catalog's views are generated from the same declarations (`duckdb_type`).
+The store (`tasks/store/store.py`) checks each write against these declarations and writes every
+Parquet file with exactly the declared schema, so the DuckDB views over a table's files agree on
+column types; the catalog's views are generated from the same declarations (`duckdb_type`).
 
 Conventions:
 - Ids are strings; a prompt's id is `prompt_id(text)`, the first 16 hex digits of the sha256 of
@@ -18,10 +18,11 @@ Conventions:
 Integrity (issue 19):
 - `stages` version 2 adds `path_hashes`: the sha256 of each output in `paths` order, so a damaged
   file can be named (null in version 1 files: only the combined `content_hash` is known there).
-- `stage_failures`: a stage that refused to record completion (`tasks.stage.StageRefused`: empty
-  output, non-finite weights) leaves a row saying why; a retry with the same key overwrites it.
-- `runs`: one row per run, the recipe it is pinned to (`Recipe.pinned`, `tasks.run_pin`).
-- `collected_blobs`: blobs `cast gc` deleted (`tasks.gc`); a record naming one stays valid.
+- `stage_failures`: a stage that refused to record completion (`tasks.store.stage.StageRefused`:
+  empty output, non-finite weights) leaves a row saying why; a retry with the same key overwrites
+  it.
+- `runs`: one row per run, the recipe it is pinned to (`Recipe.pinned`, `tasks.store.run_pin`).
+- `collected_blobs`: blobs `cast gc` deleted (`tasks.store.gc`); a record naming one stays valid.
 
 Diagnostics (version 2 of train_steps, checkpoints, evals; `cast_core/diagnostics.py` defines
 them):
@@ -273,7 +274,7 @@ def _check_names(spec: TableSpec, names: list[str], where: str) -> None:
     if missing or extra or duplicated:
         raise SchemaError(
             f"table {spec.name!r}, {where}: missing columns {missing}, unexpected columns {extra},"
-            f" duplicated columns {duplicated}; the declared columns (tasks/schemas.py) are "
+            f" duplicated columns {duplicated}; the declared columns (tasks/store/schemas.py) are "
             f"{declared}")
 
 

@@ -12,6 +12,9 @@ hash and JSON of the pinned fields and the whole recipe as it was. The row is wr
 Stores from before pinning have no row for their runs: the first stage that touches such a run
 records the recipe it is given, since the recipes of earlier iterations were never stored and
 cannot be checked after the fact.
+
+The recipe is typed by what the pin reads of it (`PinnedRecipe`; the recipe type itself is
+`tasks.stages.recipe.Recipe`), so the store imports nothing from the stages.
 """
 
 from __future__ import annotations
@@ -19,13 +22,30 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
-from tasks.recipe import Recipe
-from tasks.stage import code_version
-from tasks.store import Store, parquet_readable
+from tasks.store.stage import code_version
+from tasks.store.store import Store, parquet_readable
 
 TABLE = "runs"
+
+
+class _Run(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class PinnedRecipe(Protocol):
+    """What the pin reads of a recipe (`tasks.stages.recipe.Recipe` has it)."""
+
+    @property
+    def run(self) -> _Run: ...
+
+    def pinned(self) -> dict[str, dict[str, Any]]: ...
+
+    def pinned_hash(self) -> str: ...
+
+    def canonical_json(self) -> str: ...
 
 
 class RecipeMismatch(RuntimeError):
@@ -44,7 +64,7 @@ class RunPin:
     created: bool
 
 
-def pin_recipe(store: Store, recipe: Recipe) -> RunPin:
+def pin_recipe(store: Store, recipe: PinnedRecipe) -> RunPin:
     """The run's pin: recorded from `recipe` if the run has none, else checked against it;
     raises RecipeMismatch naming each differing field and how to start a new run."""
     if read_pin(store, recipe.run.name) is None:
@@ -61,7 +81,7 @@ def pin_recipe(store: Store, recipe: Recipe) -> RunPin:
     return check_pin(store, recipe)
 
 
-def check_pin(store: Store, recipe: Recipe) -> RunPin | None:
+def check_pin(store: Store, recipe: PinnedRecipe) -> RunPin | None:
     """The run's pin if it holds for `recipe` (None: not pinned yet); RecipeMismatch if not.
     Writes nothing: for a check before a flow starts."""
     pin = read_pin(store, recipe.run.name)

@@ -1,5 +1,6 @@
 """The one stage order of a run: the run-level stages (CSGs, then the window), and each
-iteration's rollout -> atom scores -> advantages -> [ReCAST gains] -> training epoch.
+iteration's rollout -> atom scores -> advantages -> [ReCAST gains] -> training epoch; and which
+iteration is next (`next_iteration`).
 
 The flow (`flows/cast.py`) passes the stages' Prefect tasks, the benchmark and the tests pass the
 plain functions (`plain_stages()`); everything else about a stage (its inputs, cache key, resume)
@@ -32,16 +33,21 @@ class Stages:
 
 def plain_stages() -> Stages:
     """The stages as plain functions (no Prefect), imported on first use."""
-    from tasks.build_csgs import build_csgs
-    from tasks.calibrate_window import calibrate_window
-    from tasks.compute_advantages import compute_advantages
-    from tasks.recast_gains import gains_for_training
-    from tasks.rollout_groups import rollout_groups
-    from tasks.score_atoms import score_atoms
-    from tasks.train_epoch import train_epoch
+    from tasks.stages.build_csgs import build_csgs
+    from tasks.stages.calibrate_window import calibrate_window
+    from tasks.stages.compute_advantages import compute_advantages
+    from tasks.stages.recast_gains import gains_for_training
+    from tasks.stages.rollout import rollout_groups
+    from tasks.stages.score_atoms import score_atoms
+    from tasks.stages.train_epoch import train_epoch
 
     return Stages(build_csgs, calibrate_window, rollout_groups, score_atoms, compute_advantages,
                   gains_for_training, train_epoch)
+
+
+def next_iteration(store, recipe) -> int:
+    """Last iteration whose training finished, plus one (0 for a new run)."""
+    return store.last_finished_iteration(recipe.run.name, "train_epoch") + 1
 
 
 def run_setup(stages: Stages, store, recipe,

@@ -33,7 +33,7 @@ from cast_core.csg.parser import (
     parse_prompt,
 )
 from cast_core.shapes.prompts import PromptFileError, load_prompt_file, utf8_lines
-from tasks.recipe import Recipe
+from tasks.stages.recipe import Recipe
 
 
 def load_prompts(recipe: Recipe, path: str | Path, *,

@@ -57,14 +57,15 @@ from cast_core.recast_gains import (
     recast_gains as estimate_gains,
 )
 from cast_core.shapes.render import render, sample_scene
-from tasks.models import base_hash, load_base, load_policy, scorer, scorer_id, set_threads
-from tasks.plots import plot_recast_gains
-from tasks.policy_state import policy_for
-from tasks.prompt_sets import load_prompts
-from tasks.recipe import Recipe
-from tasks.schemas import prompt_id
-from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.stages.guard import stage_task
+from tasks.stages.models import base_hash, load_base, load_policy, scorer, scorer_id, set_threads
+from tasks.stages.plots import plot_recast_gains
+from tasks.stages.policy_state import policy_for
+from tasks.stages.prompt_sets import load_prompts
+from tasks.stages.recipe import Recipe
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
+from tasks.store.store import Store
 
 STAGE = "recast_gains"
 RENDERER = "renderer"
@@ -336,7 +337,7 @@ def reward_step_weights(store: Store, recipe: Recipe, window_start: int, window_
         return static_weights(recipe.recast.budget_map(), window_end - window_start)
     if gains is None:
         raise ValueError("recast.weighting = 'recast' needs the gains of this iteration "
-                         "(tasks.recast_gains.gains_for_training); none were passed")
+                         "(tasks.stages.recast_gains.gains_for_training); none were passed")
     window = restrict_to_window(read_recast_gains(store, gains), window_start, window_end)
     return training_weights(window)
 

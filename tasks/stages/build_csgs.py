@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.shapes.prompts import PromptFileError
-from tasks.models import builder_id, graph_builder
-from tasks.prompt_sets import prompt_lines
-from tasks.recipe import Recipe
-from tasks.schemas import prompt_id
-from tasks.stage import RUN_LEVEL, StageRef, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.stages.guard import stage_task
+from tasks.stages.models import builder_id, graph_builder
+from tasks.stages.prompt_sets import prompt_lines
+from tasks.stages.recipe import Recipe
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import RUN_LEVEL, StageRef, make_key, run_stage
+from tasks.store.store import Store
 
 STAGE = "build_csgs"
 

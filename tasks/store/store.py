@@ -50,7 +50,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from cast_core.hub_snapshot import file_sha256
-from tasks.schemas import TABLES, SchemaError, conform, table_spec, view_sql
+from tasks.store.schemas import TABLES, SchemaError, conform, table_spec, view_sql
 
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]*")
 _STAGE = re.compile(r"[a-z][a-z0-9_]*")
@@ -158,7 +158,7 @@ class Store:
         unknown = [c for c in wanted if c not in spec.schema.names]
         if unknown:
             raise SchemaError(f"table {table!r} declares no columns {unknown}; the declared "
-                              f"columns (tasks/schemas.py) are {spec.schema.names}")
+                              f"columns (tasks/store/schemas.py) are {spec.schema.names}")
         path = self.resolve(ref.path_with(f"/{table}/"))
         stored = pq.read_schema(path)
         differ = [(c, str(stored.field(c).type) if c in stored.names else "missing",

@@ -5,7 +5,7 @@ set), one content-derived seed each, run the base model's ODE sampler at the rec
 curves of cos(e(x0_hat_k), e(x_final)) with the recipe's image embedder (`shapes-layout-v1` for the
 shapes world, CLIP for the real backbones; `image_embedder`) -> `cast_core.calibration.calibrate_window`.
 Writes `calibration_curves` (mean/std per step), `windows` (one row) and a PNG plot blob; a
-progress bar counts the ODE steps (`tasks.progress`).
+progress bar counts the ODE steps (`tasks.stages.progress`).
 mode "fixed": writes only the `windows` row (method "fixed", formation_step = window_end - 1).
 
 Run-level (iteration -1); cached on the base weights' hash, the sampling and window sections, the
@@ -18,14 +18,15 @@ from cast_core.calibration import calibrate_window as calibrate
 from cast_core.calibration import similarity_curves
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.window import fixed_window
-from tasks.models import base_hash, load_base, set_threads
-from tasks.plots import plot_calibration
-from tasks.progress import stage_progress
-from tasks.prompt_sets import load_prompts
-from tasks.recipe import Recipe
-from tasks.schemas import prompt_id
-from tasks.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.stages.guard import stage_task
+from tasks.stages.models import base_hash, load_base, set_threads
+from tasks.stages.plots import plot_calibration
+from tasks.stages.progress import stage_progress
+from tasks.stages.prompt_sets import load_prompts
+from tasks.stages.recipe import Recipe
+from tasks.store.schemas import prompt_id
+from tasks.store.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage
+from tasks.store.store import Store
 
 STAGE = "calibrate_window"
 

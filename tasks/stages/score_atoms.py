@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from cast_core.csg.graph import SceneGraph
-from tasks.models import Scorer, scorer, scorer_id, set_threads
-from tasks.recipe import Recipe
-from tasks.stage import StageRef, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.stages.guard import stage_task
+from tasks.stages.models import Scorer, scorer, scorer_id, set_threads
+from tasks.stages.recipe import Recipe
+from tasks.store.stage import StageRef, make_key, run_stage
+from tasks.store.store import Store
 
 STAGE = "score_atoms"
 

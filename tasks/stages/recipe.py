@@ -14,7 +14,7 @@ Every section and field is checked (pydantic, `extra = "forbid"`): an unknown or
 value outside the allowed set, or a float that is not finite (inf or nan, in any field), raises
 `RecipeError` naming the file, the field and what is allowed. `Recipe.derived()` gives the
 quantities the pipeline computes from the recipe; the flows print them at start. `Recipe.pinned()`
-gives the fields that change a run's results, to which a run is pinned (`tasks.run_pin`).
+gives the fields that change a run's results, to which a run is pinned (`tasks.store.run_pin`).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class BuilderSection(_Section):
     """Who turns prompts into scene graphs: the GenEval-grammar parser, an LLM behind an
     OpenAI-compatible endpoint (`base_url`, `model`), or a local causal LM (`model` = folder).
     `allow_metadata_only`: the GenEval parser builds a record whose text it cannot read from its
-    `include` metadata alone, instead of refusing the prompt file (`tasks.prompt_sets`)."""
+    `include` metadata alone, instead of refusing the prompt file (`tasks.stages.prompt_sets`)."""
 
     hash_if_set: ClassVar[tuple[str, ...]] = ("allow_metadata_only",)
     unpinned: ClassVar[tuple[str, ...]] = ("device", "api_key_env", "timeout_s", "cache_dir")
@@ -151,7 +151,7 @@ class BuilderSection(_Section):
 
 class PromptsSection(_Section):
     """`selection`: how an iteration's B prompts are chosen from the `train` file
-    (`tasks.rollout_groups.select_prompts`): "tag_balanced" and "uniform" draw them at random,
+    (`tasks.stages.rollout.select_prompts`): "tag_balanced" and "uniform" draw them at random,
     "cycle" walks the file in order, B at a time, so a small fixed pool is visited evenly."""
 
     train: str
@@ -322,10 +322,10 @@ class RecastSection(_Section):
     policy samples every `every` iterations; shapes family only: positives come from the
     renderer). `budgets` lambda_k maps atom types to relative weights > 0 (a type left out gets
     weight 0; None = the four types equally). The rest configure the gain estimate
-    (`tasks.recast_gains.RecastConfig`): `prompts` x `samples_per_prompt` samples a side, Renyi
-    order `alpha`, kernel temperature `tau`, `variance_floor`. `positives` is where the positive
-    samples come from: "renderer" (shapes family: exact scenes of the training prompts) or a
-    folder of images from a stronger generator in GenEval's output layout
+    (`tasks.stages.recast_gains.RecastConfig`): `prompts` x `samples_per_prompt` samples a side,
+    Renyi order `alpha`, kernel temperature `tau`, `variance_floor`. `positives` is where the
+    positive samples come from: "renderer" (shapes family: exact scenes of the training prompts)
+    or a folder of images from a stronger generator in GenEval's output layout
     (`<folder>/<NNNNN>/metadata.jsonl` + `<folder>/<NNNNN>/samples/*.png`; any family)."""
 
     weighting: Literal["none", "static", "recast"] = "none"
@@ -357,8 +357,8 @@ class RecastSection(_Section):
 
 class EvalSection(_Section):
     """Image i of a prompt starts from the noise seeded by (prompt text, `seed_offset` + i)
-    (`tasks.evaluate.content_seed`): two evaluations with disjoint index ranges see fresh noise
-    on the same prompts, and equal ones the same noise."""
+    (`tasks.stages.evaluate.content_seed`): two evaluations with disjoint index ranges see fresh
+    noise on the same prompts, and equal ones the same noise."""
 
     hash_if_set: ClassVar[tuple[str, ...]] = ("seed_offset",)
 
@@ -503,7 +503,7 @@ class Recipe(_Section):
         return hashlib.sha256(text.encode()).hexdigest()
 
     def pinned(self) -> dict[str, dict[str, Any]]:
-        """The fields a run is pinned to (`tasks.run_pin`): every section but
+        """The fields a run is pinned to (`tasks.store.run_pin`): every section but
         `unpinned_sections`, without each section's `unpinned` fields, and without `hash_if_set`
         fields at their default (so a field added later does not unpin older runs)."""
         dump = self._dump_without_unset_later_fields()

@@ -13,7 +13,7 @@ initial noise of every sample of a prompt comes from derive_seed(run seed, itera
 "initial-noise") instead (the SDE noise still from the sample's own seed). Blobs (content-addressed): `window
 steps` safetensors {x0, latents, next_latents, log_probs, t, t_next} with sample i at row i,
 `images` safetensors uint8 [N, 3, H, W] (row `blob_index` of each rollouts row), and a PNG contact
-sheet (one row per prompt). A progress bar counts the denoising steps (`tasks.progress`).
+sheet (one row per prompt). A progress bar counts the denoising steps (`tasks.stages.progress`).
 
 Cached on the policy hash, the window row, the chosen prompts and the sampling section.
 """
@@ -28,13 +28,14 @@ import torch
 
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.window import SdeWindow
-from tasks.calibrate_window import read_window
-from tasks.models import load_policy, set_threads
-from tasks.policy_state import policy_for
-from tasks.progress import stage_progress
-from tasks.recipe import Recipe
-from tasks.stage import StageRef, derive_seed, make_key, run_stage, stage_task
-from tasks.store import Store
+from tasks.stages.calibrate_window import read_window
+from tasks.stages.guard import stage_task
+from tasks.stages.models import load_policy, set_threads
+from tasks.stages.policy_state import policy_for
+from tasks.stages.progress import stage_progress
+from tasks.stages.recipe import Recipe
+from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
+from tasks.store.store import Store
 
 STAGE = "rollout"
 

@@ -23,8 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from tasks.integrity import current_records
-from tasks.store import Store, blob_name_hash
+from tasks.store.integrity import current_records
+from tasks.store.store import Store, blob_name_hash
 
 # (table, column) that names each kind of bulky blob, one per iteration.
 BULKY = {"window_steps": ("rollouts", "latents_path"),

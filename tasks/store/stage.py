@@ -1,5 +1,5 @@
-"""What every stage shares: cache keys from content hashes, the completion-record protocol, the
-Prefect task wrapper, and seeds derived from ids.
+"""What every stage shares: cache keys from content hashes, the completion-record protocol, and
+seeds derived from ids.
 
 A stage is a pure function `run(...) -> StageRef` plus a thin Prefect task. `run_stage` is the
 protocol: if the store holds a valid completion record for (run, iteration, stage, cache key) the
@@ -9,18 +9,20 @@ the stage in flight, and correctness never depends on Prefect's own cache.
 
 Cache keys are sha256 digests of canonical JSON: the stage name, the recipe sections it reads, the
 content hashes of its inputs (upstream stages' outputs, prompt files, weights) and the code version
-(a hash of the package's Python sources). The Prefect wrapper uses the same key for Prefect's
-result cache (results persisted as JSON under Prefect's local storage), but only once the store
-confirms the stage is done, so a Prefect cache hit can never stand in for outputs that are gone.
+(a hash of the Python sources of cast_core/ and tasks/, `source_files`). The Prefect wrapper
+(`tasks.stages.guard.stage_task`) uses the same key for Prefect's result cache (results persisted
+as JSON under Prefect's local storage), but only once the store confirms the stage is done, so a
+Prefect cache hit can never stand in for outputs that are gone.
 
 Invalid output is never recorded: a body that raises `StageRefused` (e.g. non-finite LoRA weights)
 or writes a table part with no rows leaves a `stage_failures` row saying why, no completion row,
 and the error propagates (the flow exits non-zero).
 
-The Prefect wrapper also guards each stage before it runs (`tasks.integrity.guard_stage`): the run
-must be pinned to this recipe (`tasks.run_pin`), and a training iteration's stages first check what
-the iteration builds on (the run-level outputs and the previous iteration's) against their
-recorded hashes, rebuilding a damaged one when its recorded inputs allow.
+The Prefect wrapper also guards each stage before it runs (`tasks.stages.guard.guard_stage`): the
+run must be pinned to this recipe (`tasks.store.run_pin`), and a training iteration's stages first
+check what the iteration builds on (the run-level outputs and the previous iteration's) against
+their recorded hashes (`tasks.store.integrity`), rebuilding a damaged one when its recorded inputs
+allow.
 
 Run-level stages (CSGs, window calibration) are recorded with iteration RUN_LEVEL (-1).
 """
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -38,10 +39,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tasks.store import BlobRef, StageRecord, Store, TableRef
+from tasks.store.store import BlobRef, StageRecord, Store, TableRef
 
 RUN_LEVEL = -1
 _PACKAGES = ("cast_core", "tasks")
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # this file is tasks/store/stage.py
 
 
 class StageRefused(RuntimeError):
@@ -90,15 +92,20 @@ class StageRef:
         return hits[0]
 
 
+def source_files() -> list[Path]:
+    """Every .py file under cast_core/ and tasks/ (their subpackages included), package by
+    package, each package's files sorted: what `code_version` hashes."""
+    return [path for package in _PACKAGES
+            for path in sorted((_REPO_ROOT / package).rglob("*.py"))]
+
+
 @functools.cache
 def code_version() -> str:
     """sha256 over the Python sources of cast_core and tasks (relative path + bytes), 16 hex."""
-    root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for package in _PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-            digest.update(path.read_bytes())
+    for path in source_files():
+        digest.update(path.relative_to(_REPO_ROOT).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -149,36 +156,3 @@ def _check_output(stage: str, iteration: int, refs: Sequence[TableRef | BlobRef]
                            f"empty output is invalid, so no completion was recorded: check the "
                            f"stage's inputs (prompt file, prompt selection, scorer)",
                            {"empty_parts": empty})
-
-
-def stage_task(fn: Callable[..., StageRef], stage: str, key_fn: Callable[..., str]):
-    """The Prefect task of a stage function `fn(store, recipe, ...) -> StageRef`.
-
-    Prefect's result cache is keyed on `key_fn` (the stage's content-hash key, called with the
-    parameters it names) but only once the store confirms the stage is done; results are
-    persisted as JSON (never pickle) under Prefect's local storage path. The task runs
-    `tasks.integrity.guard_stage` before `fn` (recipe pin; inputs of a training iteration).
-    """
-    from prefect import task
-
-    names = list(inspect.signature(key_fn).parameters)
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def guarded(*args, **kwargs) -> StageRef:
-        from tasks.integrity import guard_stage  # not at the top: it imports this module
-
-        bound = signature.bind(*args, **kwargs).arguments
-        guard_stage(bound["store"], bound["recipe"], stage, bound.get("iteration", RUN_LEVEL))
-        return fn(*args, **kwargs)
-
-    def cache_key_fn(context, parameters) -> str | None:
-        store, recipe = parameters["store"], parameters["recipe"]
-        key = key_fn(**{n: parameters[n] for n in names})
-        iteration = parameters.get("iteration", RUN_LEVEL)
-        if store.stage_done(recipe.run.name, iteration, stage, key) is None:
-            return None
-        return f"{recipe.run.name}-{iteration}-{stage}-{key}"
-
-    return task(guarded, name=stage, cache_key_fn=cache_key_fn, persist_result=True,
-                result_serializer="json")
