@@ -50,9 +50,9 @@ from cast_core.sampling import sample_ode
 from cast_core.shapes.verifier import verify
 from tasks.stages.calibrate_window import image_embedder, image_embedder_spec
 from tasks.stages.guard import stage_task
-from tasks.stages.models import graph_builder, load_policy, scorer, scorer_id, set_threads
+from tasks.stages.models import graph_builder, scorer, scorer_id, set_threads
 from tasks.stages.plots import figure, png
-from tasks.stages.policy_state import policy_for
+from tasks.stages.policy_state import load_policy_of, policy_for
 from tasks.stages.prompt_sets import load_prompts
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import contact_sheet
@@ -203,8 +203,7 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
     def body():
         set_threads(recipe)
         policy = policy_for(store, recipe, iteration + 1)
-        lora = store.get_tensors(policy.lora_path) if policy.lora_path else None
-        backbone, _ = load_policy(recipe, lora)
+        backbone, _ = load_policy_of(store, recipe, policy)
         _, score = scorer(recipe)
         build, embedder = graph_builder(recipe), _diversity_embedder(recipe)
         spec, rows, refs, per_image = eval_spec_hash(recipe), [], [], {}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pyarrow.compute as pc
 
-from tasks.stages.models import base_hash
+from tasks.stages.models import base_hash, load_policy
 from tasks.stages.recipe import Recipe
 from tasks.store.store import Store
 
@@ -41,3 +41,10 @@ def policy_for(store: Store, recipe: Recipe, iteration: int) -> PolicyState:
     row = rows[0]
     return PolicyState(iteration, row["policy_hash"], row["lora_path"], row["optimizer_path"],
                        row["lr"], row["update_kl_nats"])
+
+
+def load_policy_of(store: Store, recipe: Recipe, policy: PolicyState):
+    """The backbone with this policy's LoRA (a fresh, zero-effect one at iteration 0) ->
+    (backbone, LoRA parameters), as `models.load_policy`."""
+    lora = store.get_tensors(policy.lora_path) if policy.lora_path else None
+    return load_policy(recipe, lora)

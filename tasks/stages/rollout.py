@@ -30,8 +30,8 @@ from cast_core.rollout import RolloutSpec, rollout
 from cast_core.window import SdeWindow
 from tasks.stages.calibrate_window import read_window
 from tasks.stages.guard import stage_task
-from tasks.stages.models import load_policy, set_threads
-from tasks.stages.policy_state import policy_for
+from tasks.stages.models import set_threads
+from tasks.stages.policy_state import load_policy_of, policy_for
 from tasks.stages.progress import stage_progress
 from tasks.stages.recipe import Recipe
 from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
@@ -134,8 +134,7 @@ def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRe
     def body():
         set_threads(recipe)
         policy = policy_for(store, recipe, iteration)
-        lora = store.get_tensors(policy.lora_path) if policy.lora_path else None
-        backbone, _ = load_policy(recipe, lora)
+        backbone, _ = load_policy_of(store, recipe, policy)
         window_row = read_window(store, window)
         spec = rollout_spec(recipe, window_row)
         picks = select_prompts(store, recipe, csgs, iteration)

@@ -75,12 +75,11 @@ from tasks.stages.guard import stage_task
 from tasks.stages.models import (
     base_hash,
     load_optimizer_state,
-    load_policy,
     lora_tensors,
     optimizer_tensors,
     set_threads,
 )
-from tasks.stages.policy_state import PolicyState, policy_for
+from tasks.stages.policy_state import PolicyState, load_policy_of, policy_for
 from tasks.stages.recast_gains import reward_step_weights
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import rollout_spec
@@ -298,8 +297,7 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
     def body():
         set_threads(recipe)
         policy = policy_for(store, recipe, iteration)
-        lora = store.get_tensors(policy.lora_path) if policy.lora_path else None
-        backbone, params = load_policy(recipe, lora)
+        backbone, params = load_policy_of(store, recipe, policy)
         lr = iteration_lr(recipe, policy)
         optimizer = _optimizer(store, recipe, params, policy.optimizer_path, lr)
         steps_before = int(optimizer.state[params[0]]["step"]) if optimizer.state else 0
