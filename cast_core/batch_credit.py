@@ -75,8 +75,8 @@ class AtomBatch:
 
 @dataclass(frozen=True)
 class CreditConfig:
-    """The recipe's `advantage` section without `kind` (tasks.stages.recipe.AdvantageSection
-    documents each field)."""
+    """The recipe's `advantage` section without `kind`
+    (tasks.stages.recipe_sections.AdvantageSection documents each field)."""
 
     gate_by_parents: bool = True
     global_weight: float = 1.0

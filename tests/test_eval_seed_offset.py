@@ -1,4 +1,4 @@
-"""`eval.seed_offset` (tasks/stages/recipe.py EvalSection, tasks/stages/evaluate.py): image i of a
+"""`eval.seed_offset` (tasks/stages/recipe_sections.py EvalSection, tasks/stages/evaluate.py): image i of a
 prompt is seeded by (prompt, seed_offset + i); the offset enters the eval spec only when set; two
 evaluations of one checkpoint under different splits keep both `evals` parts and grids."""
 

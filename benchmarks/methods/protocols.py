@@ -137,7 +137,7 @@ def eval_passes(size: Size, held_out: dict[str, str], pool: str = POOL) -> dict[
 
 def with_eval(recipe, p: EvalPass):
     """The recipe with its eval section replaced by the pass's (validated)."""
-    from tasks.stages.recipe import EvalSection
+    from tasks.stages.recipe_sections import EvalSection
 
     ev = recipe.eval
     section = EvalSection(splits=p.splits, images_per_prompt=p.images, num_steps=ev.num_steps,
