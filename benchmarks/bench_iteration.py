@@ -75,7 +75,7 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     from tasks.stages.models import load_policy, lora_tensors, scorer, set_threads
     from tasks.stages.rollout import decode_uint8, group_seeds, rollout_spec
     from tasks.stages.score_atoms import atom_score_rows
-    from tasks.stages.train_epoch import pick_advantage, policy_config
+    from tasks.stages.train_update import pick_advantage, policy_config
     from tasks.store.stage import derive_seed
 
     set_threads(recipe)

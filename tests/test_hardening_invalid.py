@@ -14,7 +14,7 @@ from cast_core.shapes.prompts import PromptFileError
 from tasks.stages.build_csgs import build_csgs
 from tasks.stages.prompt_sets import load_prompts
 from tasks.stages.recipe import Recipe, RecipeError, load_recipe
-from tasks.stages.train_epoch import NonFiniteWeights
+from tasks.stages.train_update import NonFiniteWeights
 from tasks.store.stage import StageRefused, run_stage
 from tasks.store.store import Store
 

@@ -504,7 +504,7 @@ def test_nft_objective_trains_on_ode_samples(ref, tmp_path, kind):
 def test_nft_trains_the_conditional_velocity_by_default(ref):
     """`train.nft_guidance` defaults to "none": the NFT loss trains the conditional velocity
     (scale 1), whatever the sampler's CFG; "sampler" trains the guided one at its scale."""
-    from tasks.stages.train_epoch import nft_training_guidance
+    from tasks.stages.train_update import nft_training_guidance
 
     recipe = ci_recipe(ref[2], **NFT)
     assert recipe.train.nft_guidance == "none" and recipe.sampling.guidance_scale != 1.0

@@ -40,58 +40,67 @@ The first inner step must see ratio 1 (same weights as the rollout); when it doe
 with the figures is logged and the row keeps them. A constant-reward alarm (every group of an atom
 type tied, or all scalar rewards equal: no learning signal from that reward) is logged as a
 warning with its figures and recorded.
+
+Read -> compute -> write: the stage body reads the update's inputs (`read_batch`: prompts, window
+steps, advantages) and the iteration's statistics from the stored rows (`iteration_stats`: the
+mean score per atom type, the zero-variance fraction, the alarm), trains the loaded policy
+(`train_policy`) and builds the rows from what came back (`train_step_rows`, `checkpoint_row`).
+`iteration_stats`, `train_step_rows` and `checkpoint_row` are tested on plain inputs. The mean
+score per atom type and the rollout images' high-frequency energy are computed here, from the
+stored atom scores and images: no earlier stage's table has a column for them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pyarrow.compute as pc
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from cast_core.advantage import step_weighted_maps
 from cast_core.csg.graph import ATOM_TYPES
-from cast_core.diagnostics import (
-    RewardAlarm,
-    constant_reward_alarm,
-    high_frequency_energy,
-    param_change_norm,
-)
-from cast_core.nft_update import NftConfig, NftStep, nft_update
-from cast_core.policy import (
-    PolicyConfig,
-    UpdateStep,
-    kl_targeted_lr,
-    linear_warmup_lr,
-    policy_update,
-    update_kl_nats,
-)
+from cast_core.diagnostics import RewardAlarm, constant_reward_alarm, high_frequency_energy
+from cast_core.nft_update import NftConfig, NftStep
+from cast_core.policy import UpdateStep, kl_targeted_lr
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
 from tasks.stages.guard import stage_task
-from tasks.stages.models import (
-    base_hash,
-    load_optimizer_state,
-    lora_tensors,
-    optimizer_tensors,
-    set_threads,
-)
+from tasks.stages.models import base_hash, load_optimizer_state, set_threads
 from tasks.stages.policy_state import PolicyState, load_policy_of, policy_for
 from tasks.stages.recast_gains import reward_step_weights
 from tasks.stages.recipe import Recipe
+from tasks.stages.recipe_sections import TrainSection
 from tasks.stages.rollout import rollout_spec
 from tasks.stages.score_atoms import load_graphs, load_rollout_rows
-from tasks.store.stage import StageRef, StageRefused, derive_seed, make_key, run_stage
-from tasks.store.store import Store
+from tasks.stages.train_update import (
+    TrainBatch,
+    TrainOutcome,
+    nft_config,
+    pick_advantage,
+    policy_config,
+    train_policy,
+)
+from tasks.store.stage import StageRef, make_key, run_stage
+from tasks.store.store import BlobRef, Store
 
 STAGE = "train_epoch"
 
 
-class NonFiniteWeights(StageRefused):
-    """Training left a LoRA or optimizer tensor with inf or nan entries; nothing was saved."""
+@dataclass(frozen=True)
+class IterationStats:
+    """The iteration's reward statistics, carried by every `train_steps` row and the checkpoint.
+
+    rewards: {"reward_<type>": mean score of the type's atoms over all samples, None when no
+    prompt has one}; zero_variance_fraction: share of (prompt, atom) groups whose G scores tie;
+    alarm: the constant-reward alarm."""
+
+    rewards: dict[str, float | None]
+    zero_variance_fraction: float
+    alarm: RewardAlarm
 
 
 def _logger():
@@ -117,45 +126,23 @@ def iteration_lr(recipe: Recipe, policy: PolicyState) -> float:
                           lr_min=tr.kl_lr_floor * tr.lr, lr_max=tr.kl_lr_ceiling * tr.lr)
 
 
-def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None, lr: float):
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=recipe.train.weight_decay)
-    if optimizer_path:
-        with safe_open(str(store.resolve(optimizer_path)), framework="pt") as f:
-            groups = f.metadata()["param_groups"]
-        load_optimizer_state(optimizer, store.get_tensors(optimizer_path), groups)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-    return optimizer
-
-
-def _stage_seconds(store: Store, run_id: str, iteration: int) -> str:
-    rows = store.read_table("stages", (pc.field("run_id") == run_id)
-                            & (pc.field("iteration") == iteration)).to_pylist()
-    return json.dumps({r["stage"]: round((r["finished_at"] - r["started_at"]).total_seconds(), 3)
-                       for r in rows}, sort_keys=True)
-
-
-def _iteration_stats(store: Store, scores: StageRef, advantages: StageRef,
-                     std_floor: float) -> tuple[dict, RewardAlarm]:
-    """(mean score per atom type and the zero-variance fraction, the constant-reward alarm)."""
-    table = store.read_output(scores, "atom_scores",
-                              ["prompt_id", "atom_id", "atom_type", "score"]).to_pylist()
-    out = {}
+def iteration_stats(score_rows: list[dict], advantage_rows: list[dict], rewards: list[float],
+                    std_floor: float) -> IterationStats:
+    """The iteration's statistics from `atom_scores` rows (prompt_id, atom_id, atom_type, score),
+    `advantages` rows (prompt_id, atom_id, zero_variance) and the samples' scalar rewards [N]
+    (`advantage_maps.reward`); std_floor: the alarm's tie threshold."""
+    means = {}
     for kind in ATOM_TYPES:
-        values = [r["score"] for r in table if r["atom_type"] == kind]
-        out[f"reward_{kind}"] = sum(values) / len(values) if values else None
-    adv = store.read_output(advantages, "advantages",
-                            ["prompt_id", "atom_id", "zero_variance"]).to_pylist()
-    groups = {(r["prompt_id"], r["atom_id"]): r["zero_variance"] for r in adv}
-    out["zero_variance_fraction"] = sum(groups.values()) / max(1, len(groups))
-    types = {(r["prompt_id"], r["atom_id"]): r["atom_type"] for r in table}
+        values = [r["score"] for r in score_rows if r["atom_type"] == kind]
+        means[f"reward_{kind}"] = sum(values) / len(values) if values else None
+    groups = {(r["prompt_id"], r["atom_id"]): r["zero_variance"] for r in advantage_rows}
+    types = {(r["prompt_id"], r["atom_id"]): r["atom_type"] for r in score_rows}
     by_type: dict[str, list[bool]] = {}
     for key, flag in sorted(groups.items()):
         by_type.setdefault(types[key], []).append(flag)
-    rewards = store.read_output(advantages, "advantage_maps", ["reward"])["reward"].to_pylist()
     alarm = constant_reward_alarm({k: torch.tensor(v) for k, v in by_type.items()},
                                   torch.tensor(rewards, dtype=torch.float64), std_floor)
-    return out, alarm
+    return IterationStats(means, sum(groups.values()) / max(1, len(groups)), alarm)
 
 
 def _step_row(u: UpdateStep) -> dict:
@@ -192,76 +179,42 @@ def _nft_step_row(u: NftStep, config: NftConfig, adv_mass: float) -> dict:
                 {"t_bins": bins, "loss": list(u.loss_by_t)})}
 
 
-def nft_training_guidance(recipe: Recipe) -> float:
-    """The guidance scale of the velocity the NFT loss trains: 1 (the conditional velocity) with
-    `train.nft_guidance = "none"`, the sampler's scale with "sampler"."""
-    if recipe.train.nft_guidance == "sampler":
-        return recipe.sampling.guidance_scale
-    return 1.0
+def train_step_rows(keys: dict, updates: Sequence[UpdateStep | NftStep], first_step: int,
+                    shared: dict, nft: NftConfig | None = None,
+                    adv_mass: float = 0.0) -> list[dict]:
+    """One `train_steps` row per optimizer step, `updates[j]` as run step first_step + j: the
+    step's own columns (an NFT step's with `nft`, its config, and adv_mass, the mean |advantage|
+    of the samples), then `shared`, the columns every row of the iteration carries; keys =
+    run_id and iteration."""
+    return [{**keys, "step": first_step + j,
+             **(_step_row(u) if nft is None else _nft_step_row(u, nft, adv_mass)), **shared}
+            for j, u in enumerate(updates)]
 
 
-def nft_config(recipe: Recipe) -> NftConfig:
-    """The recipe's `train.nft_*` fields as the update's config."""
-    tr = recipe.train
-    return NftConfig(beta=tr.nft_beta, t_min=tr.nft_t_min, t_max=tr.nft_t_max,
-                     a_max=tr.nft_a_max, adaptive_weight=tr.nft_adaptive_weight,
-                     centre=tr.nft_centre, group_size=recipe.prompts.group_size,
-                     inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
-                     micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
+def checkpoint_row(keys: dict, lora: BlobRef, optimizer: BlobRef, base: str,
+                   train: TrainSection, outcome: TrainOutcome, hf_energy: float,
+                   alarm: RewardAlarm, lr: float) -> dict:
+    """The `checkpoints` row of the trained policy: its blobs, base and adapter shape, and the
+    iteration's diagnostics (hf_energy: the rollout images' mean high-frequency energy; lr: the
+    iteration's lr before the warm-up); keys = run_id and iteration."""
+    return {**keys, "policy_hash": lora.sha256, "lora_path": lora.path,
+            "optimizer_path": optimizer.path, "optimizer_hash": optimizer.sha256,
+            "base_hash": base, "lora_rank": train.lora_rank, "lora_alpha": train.lora_alpha,
+            "optimizer_steps": outcome.optimizer_steps,
+            "param_change_norm": outcome.param_change_norm,
+            "update_kl_nats": outcome.update_kl_nats, "rollout_hf_energy": hf_energy,
+            "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason, "lr": lr}
 
 
-def _refuse_non_finite(lora: dict[str, torch.Tensor], optimizer_state: dict[str, torch.Tensor],
-                       updates: list[UpdateStep], iteration: int, lr: float) -> None:
-    """Raise NonFiniteWeights when any LoRA or optimizer tensor has an inf or nan entry."""
-    bad = sorted(n for n, t in {**lora, **optimizer_state}.items() if not torch.isfinite(t).all())
-    if not bad:
-        return
-    previous = (f"the checkpoint of iteration {iteration - 1}" if iteration > 0 else
-                "the base model with its fresh adapter (iteration 0)")
-    losses = [None if u.skipped else round(u.loss, 6) for u in updates]
-    raise NonFiniteWeights(
-        f"iteration {iteration}: training left {len(bad)} LoRA/optimizer tensor(s) with inf or "
-        f"nan entries (e.g. {bad[0]!r}); nothing was saved and the policy stays at {previous}. "
-        f"Step losses {losses} (None: skipped, {[u.skip_reason for u in updates]}). Lower "
-        f"train.lr (now {lr:g}) or check this iteration's advantages; then run the iteration again",
-        {"tensors": bad, "losses": losses, "lrs": [u.lr for u in updates],
-         "skip_reasons": [u.skip_reason for u in updates],
-         "grad_norms": [None if u.skipped else u.grad_norm for u in updates]})
-
-
-def pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
-    """(advantages, loss kind) for `advantage.kind`: "spatial" the maps [N, h, w], "scalar" the
-    scalar advantages [N], "atom" the no-map credit [N] broadcast to a constant map [N, h, w]
-    (the spatial loss, so the only difference from CAST is the map)."""
-    if kind == "spatial":
-        return blob["maps"], "spatial"
-    if kind == "scalar":
-        return blob["scalar"], "scalar"
-    if kind == "atom":
-        return blob["atom"][:, None, None].expand_as(blob["maps"]).contiguous(), "spatial"
-    raise ValueError(f"advantage.kind must be 'spatial', 'scalar' or 'atom'; got {kind!r}")
-
-
-def policy_config(recipe: Recipe, loss_kind: str) -> PolicyConfig:
-    """The update's config from the recipe's `train` section, for the loss `pick_advantage` (or
-    ReCAST's step maps) chose: "spatial" or "scalar"."""
-    tr = recipe.train
-    return PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range, kl_beta=tr.kl_beta,
-                        inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
-                        micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
-
-
-def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef,
-              advantages: StageRef, iteration: int, gains: StageRef | None = None) -> str:
-    policy = policy_for(store, recipe, iteration)
-    return make_key(STAGE, {"train": recipe.section_hash("train", "advantage", "sampling",
-                                                         "recast"),
-                            "seed": recipe.run.seed, "iteration": iteration,
-                            "lr": iteration_lr(recipe, policy)},
-                    {"policy": policy.policy_hash, "optimizer": policy.optimizer_path or "",
-                     "rollouts": rollouts.content_hash, "scores": scores.content_hash,
-                     "advantages": advantages.content_hash,
-                     "gains": gains.content_hash if gains is not None else ""})
+def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None, lr: float):
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=recipe.train.weight_decay)
+    if optimizer_path:
+        with safe_open(str(store.resolve(optimizer_path)), framework="pt") as f:
+            groups = f.metadata()["param_groups"]
+        load_optimizer_state(optimizer, store.get_tensors(optimizer_path), groups)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    return optimizer
 
 
 def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], window: SdeWindow,
@@ -277,22 +230,81 @@ def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], win
     return maps, "spatial", text
 
 
-def _load_rollout(store: Store, rows: list[dict],
-                  device: torch.device) -> tuple[Rollout, SdeWindow, list[int]]:
-    """The rows' window steps on the transformer's `device` (where the replay's velocities are),
-    their window and their blob indices."""
+def read_batch(store: Store, recipe: Recipe, rows: list[dict], csgs: StageRef,
+               advantages: StageRef, gains: StageRef | None, device: torch.device) -> TrainBatch:
+    """The update's inputs for the rollout `rows` (in blob order): their window steps on the
+    transformer's `device` (where the replay's velocities are), prompts and advantages."""
     blob = {k: v.to(device) for k, v in store.get_tensors(rows[0]["latents_path"]).items()}
     index = [r["blob_index"] for r in rows]
     rollout = Rollout(x0=blob["x0"][index], latents=blob["latents"][index],
                       next_latents=blob["next_latents"][index],
                       log_probs=blob["log_probs"][index], t=blob["t"], t_next=blob["t_next"])
-    return rollout, SdeWindow(rows[0]["window_start"], rows[0]["window_end"]), index
+    window = SdeWindow(rows[0]["window_start"], rows[0]["window_end"])
+    spec = rollout_spec(recipe, {"window_start": window.start, "window_end": window.end})
+    texts = {pid: json.loads(g)["prompt"] for pid, g in load_graphs(store, csgs).items()}
+    adv_blob = store.get_tensors(store.read_output(advantages, "advantage_maps",
+                                                   ["map_path"])["map_path"][0].as_py())
+    adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
+    return TrainBatch([texts[r["prompt_id"]] for r in rows], rollout, spec, adv[index],
+                      loss_kind, weights_json)
+
+
+def read_stats(store: Store, scores: StageRef, advantages: StageRef,
+               std_floor: float) -> IterationStats:
+    """`iteration_stats` of the iteration's stored atom scores and advantages."""
+    score_rows = store.read_output(scores, "atom_scores",
+                                   ["prompt_id", "atom_id", "atom_type", "score"]).to_pylist()
+    adv_rows = store.read_output(advantages, "advantages",
+                                 ["prompt_id", "atom_id", "zero_variance"]).to_pylist()
+    rewards = store.read_output(advantages, "advantage_maps", ["reward"])["reward"].to_pylist()
+    return iteration_stats(score_rows, adv_rows, rewards, std_floor)
+
+
+def _rollout_hf_energy(store: Store, rows: list[dict]) -> float:
+    """The mean high-frequency energy of the rollout images of `rows`."""
+    images = store.get_tensors(rows[0]["image_path"])["images"]  # uint8 [N, 3, H, W]
+    images = images[[r["blob_index"] for r in rows]]
+    return float(high_frequency_energy(images / 255.0).mean())
+
+
+def _stage_seconds(store: Store, run_id: str, iteration: int) -> str:
+    rows = store.read_table("stages", (pc.field("run_id") == run_id)
+                            & (pc.field("iteration") == iteration)).to_pylist()
+    return json.dumps({r["stage"]: round((r["finished_at"] - r["started_at"]).total_seconds(), 3)
+                       for r in rows}, sort_keys=True)
+
+
+def _warn(outcome: TrainOutcome, stats: IterationStats, recipe: Recipe, batch: TrainBatch,
+          iteration: int) -> None:
+    """Log a first inner step whose ratio is not 1, and the constant-reward alarm."""
+    first = outcome.updates[0]
+    if getattr(first, "first_ratio_ok", None) is False:
+        _logger().warning(
+            "first inner step ratio is not 1: ratio_mean=%.6f ratio_std=%.6f (tolerance "
+            "%.0e); rollout and replay disagree (dropout, precision, CFG or changed weights)",
+            first.ratio_mean, first.ratio_std, policy_config(recipe, batch.loss_kind).ratio_tol)
+    if stats.alarm.alarm:
+        _logger().warning("constant-reward alarm at iteration %d: %s", iteration,
+                          stats.alarm.reason)
+
+
+def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef,
+              advantages: StageRef, iteration: int, gains: StageRef | None = None) -> str:
+    policy = policy_for(store, recipe, iteration)
+    return make_key(STAGE, {"train": recipe.section_hash("train", "advantage", "sampling",
+                                                         "recast"),
+                            "seed": recipe.run.seed, "iteration": iteration,
+                            "lr": iteration_lr(recipe, policy)},
+                    {"policy": policy.policy_hash, "optimizer": policy.optimizer_path or "",
+                     "rollouts": rollouts.content_hash, "scores": scores.content_hash,
+                     "advantages": advantages.content_hash,
+                     "gains": gains.content_hash if gains is not None else ""})
 
 
 def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef,
                 scores: StageRef, advantages: StageRef, iteration: int,
                 gains: StageRef | None = None) -> StageRef:
-    run_id, tr = recipe.run.name, recipe.train
+    run_id = recipe.run.name
 
     def body():
         set_threads(recipe)
@@ -300,81 +312,26 @@ def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef
         backbone, params = load_policy_of(store, recipe, policy)
         lr = iteration_lr(recipe, policy)
         optimizer = _optimizer(store, recipe, params, policy.optimizer_path, lr)
-        steps_before = int(optimizer.state[params[0]]["step"]) if optimizer.state else 0
         rows = load_rollout_rows(store, rollouts)
         device = next(backbone.transformer.parameters()).device
-        rollout, window, index = _load_rollout(store, rows, device)
-        spec = rollout_spec(recipe, {"window_start": window.start, "window_end": window.end})
-        texts = {pid: json.loads(g)["prompt"] for pid, g in load_graphs(store, csgs).items()}
-        prompts = [texts[r["prompt_id"]] for r in rows]
-        adv_blob = store.get_tensors(store.read_output(advantages, "advantage_maps",
-                                                       ["map_path"])["map_path"][0].as_py())
-        adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
-        config = policy_config(recipe, loss_kind)
-        total = tr.steps_per_epoch * tr.inner_epochs
-        before = [p.detach().clone() for p in params]
-
-        def lr_for_step(j: int) -> float:
-            return linear_warmup_lr(lr, tr.warmup_steps, steps_before + j)
-
-        with tqdm(total=total, desc=f"train {iteration}", unit="step", mininterval=1.0) as bar:
-            def show(u) -> None:
-                if u.skipped:
-                    bar.set_postfix(loss="skipped")
-                elif isinstance(u, NftStep):
-                    bar.set_postfix(loss=f"{u.loss:.4f}", positive=f"{u.positive_share:.2f}")
-                else:
-                    bar.set_postfix(loss=f"{u.loss:.4f}", clip=f"{u.clip_fraction:.3f}",
-                                    kl=f"{u.policy_kl_nats:.3g}")
-                bar.update()
-
-            if tr.objective == "nft":
-                nft = nft_config(recipe)
-                scale = nft_training_guidance(recipe)
-                updates = nft_update(backbone, optimizer, prompts, rollout.x0, adv[index], nft,
-                                     scale, derive_seed(recipe.run.seed, "nft", iteration),
-                                     lr_for_step=lr_for_step, on_step=show)
-            else:
-                updates = policy_update(
-                    backbone, optimizer, prompts, rollout, spec, adv[index], config,
-                    shuffle_seed=derive_seed(recipe.run.seed, "shuffle", iteration),
-                    on_step=show, lr_for_step=lr_for_step)
-        opt_tensors, groups = optimizer_tensors(optimizer)
-        _refuse_non_finite(lora_tensors(backbone), opt_tensors, updates, iteration, lr)
-        moved = (update_kl_nats(backbone, prompts, rollout, spec, micro_batch=tr.micro_batch)
-                 if recipe.sampling.noise_level > 0 else None)  # the ODE has no likelihoods
-        first = updates[0]
-        if getattr(first, "first_ratio_ok", None) is False:
-            _logger().warning(
-                "first inner step ratio is not 1: ratio_mean=%.6f ratio_std=%.6f (tolerance "
-                "%.0e); rollout and replay disagree (dropout, precision, CFG or changed weights)",
-                first.ratio_mean, first.ratio_std, config.ratio_tol)
-        stats, alarm = _iteration_stats(store, scores, advantages, recipe.advantage.std_floor)
-        if alarm.alarm:
-            _logger().warning("constant-reward alarm at iteration %d: %s", iteration, alarm.reason)
-        images = store.get_tensors(rows[0]["image_path"])["images"][index]  # uint8 [N, 3, H, W]
+        batch = read_batch(store, recipe, rows, csgs, advantages, gains, device)
+        stats = read_stats(store, scores, advantages, recipe.advantage.std_floor)
+        hf_energy = _rollout_hf_energy(store, rows)
         seconds = _stage_seconds(store, run_id, iteration)
-        mass = float(adv[index].abs().mean())
-        step_rows = [{"run_id": run_id, "iteration": iteration, "step": steps_before + j,
-                      **(_nft_step_row(u, nft, mass) if tr.objective == "nft" else _step_row(u)),
-                      **stats, "stage_seconds_json": seconds,
-                      "reward_step_weights_json": weights_json}
-                     for j, u in enumerate(updates)]
-        lora_blob = store.put_tensors(lora_tensors(backbone))
-        opt_blob = store.put_tensors(opt_tensors, metadata={"param_groups": groups})
-        optimizer_steps = int(optimizer.state[params[0]]["step"]) if optimizer.state else 0
-        part = f"{run_id}-{iteration:05d}"
-        checkpoint = {"run_id": run_id, "iteration": iteration, "policy_hash": lora_blob.sha256,
-                      "lora_path": lora_blob.path, "optimizer_path": opt_blob.path,
-                      "optimizer_hash": opt_blob.sha256, "base_hash": base_hash(recipe),
-                      "lora_rank": tr.lora_rank, "lora_alpha": tr.lora_alpha,
-                      "optimizer_steps": optimizer_steps,
-                      "param_change_norm": param_change_norm(before, params),
-                      "update_kl_nats": moved,
-                      "rollout_hf_energy": float(high_frequency_energy(images / 255.0).mean()),
-                      "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason,
-                      "lr": lr}
-        return [store.write_table("train_steps", step_rows, part), lora_blob, opt_blob,
+        outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr)
+        _warn(outcome, stats, recipe, batch, iteration)
+        keys, part = {"run_id": run_id, "iteration": iteration}, f"{run_id}-{iteration:05d}"
+        shared = {**stats.rewards, "zero_variance_fraction": stats.zero_variance_fraction,
+                  "stage_seconds_json": seconds, "reward_step_weights_json": batch.weights_json}
+        nft = nft_config(recipe) if recipe.train.objective == "nft" else None
+        steps = train_step_rows(keys, outcome.updates, outcome.first_step, shared, nft,
+                                float(batch.advantages.abs().mean()))
+        lora = store.put_tensors(outcome.lora)
+        opt = store.put_tensors(outcome.optimizer_state,
+                                metadata={"param_groups": outcome.param_groups})
+        checkpoint = checkpoint_row(keys, lora, opt, base_hash(recipe), recipe.train, outcome,
+                                    hf_energy, stats.alarm, lr)
+        return [store.write_table("train_steps", steps, part), lora, opt,
                 store.write_table("checkpoints", [checkpoint], part)]
 
     key = cache_key(store, recipe, rollouts, scores, advantages, iteration, gains)

@@ -1,0 +1,189 @@
+"""The update `train_epoch` runs, on inputs it has already read: the recipe's `train` section as
+the update's config (`policy_config`, `nft_config`), the advantages the recipe trains on
+(`pick_advantage`), and `train_policy`, which takes the loaded policy and its optimizer through
+one iteration's optimizer steps (`cast_core.policy.policy_update`, or
+`cast_core.nft_update.nft_update` with `train.objective = "nft"`) under the warm-up
+(`cast_core.policy.linear_warmup_lr`), refuses weights that came out non-finite
+(`NonFiniteWeights`) and measures how far the update moved the policy
+(`cast_core.policy.update_kl_nats`, `cast_core.diagnostics.param_change_norm`). Nothing here
+reads or writes the store; the stage module says what the update's results become.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from cast_core.diagnostics import param_change_norm
+from cast_core.nft_update import NftConfig, NftStep, nft_update
+from cast_core.policy import (
+    PolicyConfig,
+    UpdateStep,
+    linear_warmup_lr,
+    policy_update,
+    update_kl_nats,
+)
+from cast_core.rollout import Rollout, RolloutSpec
+from tasks.stages.models import lora_tensors, optimizer_tensors
+from tasks.stages.recipe import Recipe
+from tasks.store.stage import StageRefused, derive_seed
+
+
+class NonFiniteWeights(StageRefused):
+    """Training left a LoRA or optimizer tensor with inf or nan entries; nothing was saved."""
+
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """What the update trains on: the N samples of the rollout in blob order.
+
+    prompts: [N] each sample's prompt text; rollout: their window steps on the transformer's
+    device; spec: the sampler and window they were drawn with; advantages: [N, h, w] maps or [N]
+    scalars (`pick_advantage`), or [N, K, h, w] step maps (ReCAST); loss_kind: "spatial" or
+    "scalar"; weights_json: the ReCAST step weights as `train_steps` stores them, or None."""
+
+    prompts: list[str]
+    rollout: Rollout
+    spec: RolloutSpec
+    advantages: Tensor
+    loss_kind: str
+    weights_json: str | None
+
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """One update's result: its optimizer steps (run steps first_step, first_step + 1, ...), the
+    trained LoRA and AdamW state (tensors and param_groups JSON), AdamW's step count after, the
+    LoRA change norm, and KL(rollout policy || trained policy) in nats (None for ODE rollouts)."""
+
+    updates: list[UpdateStep] | list[NftStep]
+    first_step: int
+    lora: dict[str, Tensor]
+    optimizer_state: dict[str, Tensor]
+    param_groups: str
+    optimizer_steps: int
+    param_change_norm: float
+    update_kl_nats: float | None
+
+
+
+def nft_training_guidance(recipe: Recipe) -> float:
+    """The guidance scale of the velocity the NFT loss trains: 1 (the conditional velocity) with
+    `train.nft_guidance = "none"`, the sampler's scale with "sampler"."""
+    if recipe.train.nft_guidance == "sampler":
+        return recipe.sampling.guidance_scale
+    return 1.0
+
+
+def nft_config(recipe: Recipe) -> NftConfig:
+    """The recipe's `train.nft_*` fields as the update's config."""
+    tr = recipe.train
+    return NftConfig(beta=tr.nft_beta, t_min=tr.nft_t_min, t_max=tr.nft_t_max,
+                     a_max=tr.nft_a_max, adaptive_weight=tr.nft_adaptive_weight,
+                     centre=tr.nft_centre, group_size=recipe.prompts.group_size,
+                     inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
+                     micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
+
+
+def pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
+    """(advantages, loss kind) for `advantage.kind`: "spatial" the maps [N, h, w], "scalar" the
+    scalar advantages [N], "atom" the no-map credit [N] broadcast to a constant map [N, h, w]
+    (the spatial loss, so the only difference from CAST is the map)."""
+    if kind == "spatial":
+        return blob["maps"], "spatial"
+    if kind == "scalar":
+        return blob["scalar"], "scalar"
+    if kind == "atom":
+        return blob["atom"][:, None, None].expand_as(blob["maps"]).contiguous(), "spatial"
+    raise ValueError(f"advantage.kind must be 'spatial', 'scalar' or 'atom'; got {kind!r}")
+
+
+def policy_config(recipe: Recipe, loss_kind: str) -> PolicyConfig:
+    """The update's config from the recipe's `train` section, for the loss `pick_advantage` (or
+    ReCAST's step maps) chose: "spatial" or "scalar"."""
+    tr = recipe.train
+    return PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range, kl_beta=tr.kl_beta,
+                        inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
+                        micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
+
+
+
+def _refuse_non_finite(lora: dict[str, torch.Tensor], optimizer_state: dict[str, torch.Tensor],
+                       updates: list[UpdateStep], iteration: int, lr: float) -> None:
+    """Raise NonFiniteWeights when any LoRA or optimizer tensor has an inf or nan entry."""
+    bad = sorted(n for n, t in {**lora, **optimizer_state}.items() if not torch.isfinite(t).all())
+    if not bad:
+        return
+    previous = (f"the checkpoint of iteration {iteration - 1}" if iteration > 0 else
+                "the base model with its fresh adapter (iteration 0)")
+    losses = [None if u.skipped else round(u.loss, 6) for u in updates]
+    raise NonFiniteWeights(
+        f"iteration {iteration}: training left {len(bad)} LoRA/optimizer tensor(s) with inf or "
+        f"nan entries (e.g. {bad[0]!r}); nothing was saved and the policy stays at {previous}. "
+        f"Step losses {losses} (None: skipped, {[u.skip_reason for u in updates]}). Lower "
+        f"train.lr (now {lr:g}) or check this iteration's advantages; then run the iteration again",
+        {"tensors": bad, "losses": losses, "lrs": [u.lr for u in updates],
+         "skip_reasons": [u.skip_reason for u in updates],
+         "grad_norms": [None if u.skipped else u.grad_norm for u in updates]})
+
+
+def _postfix(u: UpdateStep | NftStep) -> dict[str, str]:
+    """The progress bar's figures for one optimizer step."""
+    if u.skipped:
+        return {"loss": "skipped"}
+    if isinstance(u, NftStep):
+        return {"loss": f"{u.loss:.4f}", "positive": f"{u.positive_share:.2f}"}
+    return {"loss": f"{u.loss:.4f}", "clip": f"{u.clip_fraction:.3f}",
+            "kl": f"{u.policy_kl_nats:.3g}"}
+
+
+def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recipe: Recipe,
+            iteration: int, lr_for_step: Callable[[int], float]) -> list:
+    """The recipe's update (the SDE policy objective or NFT) with a progress bar."""
+    tr, seed = recipe.train, recipe.run.seed
+    with tqdm(total=tr.steps_per_epoch * tr.inner_epochs, desc=f"train {iteration}", unit="step",
+              mininterval=1.0) as bar:
+        def show(u: UpdateStep | NftStep) -> None:
+            bar.set_postfix(**_postfix(u))
+            bar.update()
+
+        if tr.objective == "nft":
+            return nft_update(backbone, optimizer, batch.prompts, batch.rollout.x0,
+                              batch.advantages, nft_config(recipe), nft_training_guidance(recipe),
+                              derive_seed(seed, "nft", iteration), lr_for_step=lr_for_step,
+                              on_step=show)
+        return policy_update(backbone, optimizer, batch.prompts, batch.rollout, batch.spec,
+                             batch.advantages, policy_config(recipe, batch.loss_kind),
+                             shuffle_seed=derive_seed(seed, "shuffle", iteration), on_step=show,
+                             lr_for_step=lr_for_step)
+
+
+def _adam_steps(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:
+    return int(optimizer.state[params[0]]["step"]) if optimizer.state else 0
+
+
+def train_policy(backbone, params: list[Tensor], optimizer: torch.optim.Optimizer,
+                 batch: TrainBatch, recipe: Recipe, iteration: int, lr: float) -> TrainOutcome:
+    """One iteration's update of the loaded policy (`params`: its LoRA parameters, trained by
+    `optimizer`) at the iteration's `lr`, warmed up over the run's first optimizer steps; raises
+    NonFiniteWeights when the weights came out non-finite, else measures how far it moved."""
+    tr = recipe.train
+    first_step = _adam_steps(optimizer, params)
+    before = [p.detach().clone() for p in params]
+    updates = _update(backbone, optimizer, batch, recipe, iteration,
+                      lambda j: linear_warmup_lr(lr, tr.warmup_steps, first_step + j))
+    lora, (state, groups) = lora_tensors(backbone), optimizer_tensors(optimizer)
+    _refuse_non_finite(lora, state, updates, iteration, lr)
+    moved = (update_kl_nats(backbone, batch.prompts, batch.rollout, batch.spec,
+                            micro_batch=tr.micro_batch)
+             if recipe.sampling.noise_level > 0 else None)  # the ODE has no likelihoods
+    return TrainOutcome(updates, first_step, lora, state, groups, _adam_steps(optimizer, params),
+                        param_change_norm(before, params), moved)
+
+
