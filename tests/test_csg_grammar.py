@@ -173,6 +173,7 @@ NEGATIVE = [
     ("a red cup of green tea", "gives an attribute kind twice, before and after 'of'"),
     ("a bottle of red wine next to two glasses", "'red wine' in 'a bottle of red wine' may be one noun"),
     ("a glass of white wine", "'white wine' in 'a glass of white wine' may be one noun"),
+    ("a torn paper bag under a desk", "or a bag whose material is paper"),
     ("a painting of red roses", "'of' phrase ('painting of red')"),
     ("a horse on a field of grass next to a barn", "a chain goes through 'a field of grass'"),
     ("a dog; the dog's tail is fluffy", "names a part ('tail')"),
@@ -403,7 +404,8 @@ def test_prompt_length_and_atom_limits():
 # It also writes "a vase of red roses" as roses in a vase; the seventh list (and, since the eighth
 # round, the parser, as after the other containers) as one noun "vase of roses", colour red.
 # The third list reads "paper bag" and "paper lantern" as compounds (the first and second lists,
-# and the parser: paper as a material), writes one
+# and the parser: paper as a material; "paper bag" is refused since the eighth round, as the
+# eighth list writes it as a compound too), writes one
 # posture verb into its relation ("sitting on"; elsewhere it writes the relation alone, as the
 # parser reads it), drops the state of a posture verb that is also a state word ("parked" after a
 # list, "a red car and a blue car parked next to a house"; "a cat sleeping on a wooden
@@ -440,8 +442,7 @@ LABEL_DIFFERENCES = {
                                     "a red cup inside a glass box"],
     "compositional_heldout2.jsonl": ["a vase of red roses on a wooden table",
                                      "a glowing lantern above a sleeping dog and a wooden boat"],
-    "compositional_heldout3.jsonl": ["a crumpled paper bag next to an apple",
-                                     "two paper lanterns above a koi pond",
+    "compositional_heldout3.jsonl": ["two paper lanterns above a koi pond",
                                      "a cat sleeping on a wooden windowsill",
                                      "an old man sitting on a bench beside a lake",
                                      "a red car and a blue car parked next to a house",

@@ -689,9 +689,10 @@ def _check_ambiguous(rest: list[str], text: str, prompt: str,
             continue
         pair = f"{first} {singularize(second)}"
         if pair in AMBIGUOUS_COMPOUND_NOUNS:
-            raise _fail(prompt, f"{pair!r} in {text!r} may be one noun (the species) or a "
-                                f"{singularize(second)} whose colour is {first}; give the parser "
-                                f"a noun list or {_LLM}")
+            kind = {"color": "colour"}.get(ATTRIBUTE_KIND[first], ATTRIBUTE_KIND[first])
+            raise _fail(prompt, f"{pair!r} in {text!r} may be one noun (a kind of "
+                                f"{singularize(second)}) or a {singularize(second)} whose {kind} "
+                                f"is {first}; give the parser a noun list or {_LLM}")
 
 
 def _split(rest: list[str], count: int,
