@@ -54,7 +54,7 @@ def shape(graph) -> tuple[list, list]:
 HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout3.jsonl", "compositional_heldout4.jsonl",
             "compositional_heldout5.jsonl", "compositional_heldout6.jsonl",
-            "compositional_heldout7.jsonl")
+            "compositional_heldout7.jsonl", "compositional_heldout8.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:

@@ -115,6 +115,13 @@ def test_table_parses_exactly(prompt, nodes, edges):
         "Is there a lamp?", "Is there an armchair?", "How many red armchairs are there?",
         "Are the armchairs red?", "Is there a wall?",
         "Is the lamp between the two red armchairs?", "Is the lamp against the wall?"]),
+    ("a lamp between a bed and a red desk", [
+        "Is there a lamp?", "Is there a bed?", "Is there a desk?", "Is the desk red?",
+        "Is the lamp between the bed and the red desk?",
+        "Is the lamp between the bed and the red desk?"]),
+    ("a black cat; the cat's collar is red", [
+        "Is there a cat?", "Is the cat black?", "Is there a collar?", "Is the collar red?",
+        "Is the black cat with the red collar?"]),
     ("a pair of red boots beside a vase made of glass", [
         "Is there a pair of boots?", "Is the pair of boots red?", "Is there a vase?",
         "Is the vase made of glass?", "Is the red pair of boots next to the glass vase?"]),
@@ -153,10 +160,11 @@ NEGATIVE = [
     ("a cat across a road", "relation 'across' is not one"),
     ("a cat by", "relation 'by' must be followed by a noun phrase"),
     ("a house surrounded by trees", "verb ('surrounded')"),
-    ("a lamp in between a bed and a desk", "'in between' is followed by a list"),
     ("a red-and-zesty kite", "['red-and-zesty'] before the noun 'kite'"),
-    ("a dog between a cat and a mouse", "'between' is followed by a list"),
-    ("a lamp between two chairs and a sofa", "'between' is followed by a list"),
+    ("a lamp between two chairs and a sofa", "or two of one ('a lamp between a bed and a desk')"),
+    ("a lamp between a bed and two chairs", "not 'a bed or two chairs'"),
+    ("a lamp between a bed, a desk and a sofa", "followed by a list of more than two"),
+    ("a lamp in between a bed and a desk on a rug", "'on' follows 'between A and B'"),
     ("a dog between a cat", "'between' needs one noun phrase of two or more"),
     ("a painting of a cat next to a plate", "'of' phrase ('painting of a')"),
     ("a statue of a horse", "'of' phrase ('statue of a')"),
@@ -165,7 +173,14 @@ NEGATIVE = [
     ("a red cup of green tea", "gives an attribute kind twice, before and after 'of'"),
     ("a bottle of red wine next to two glasses", "'red wine' in 'a bottle of red wine' may be one noun"),
     ("a glass of white wine", "'white wine' in 'a glass of white wine' may be one noun"),
-    ("a vase of red roses", "'of' phrase ('vase of red')"),
+    ("a torn paper bag under a desk", "or a bag whose material is paper"),
+    ("a painting of red roses", "'of' phrase ('painting of red')"),
+    ("a horse on a field of grass next to a barn", "a chain goes through 'a field of grass'"),
+    ("a dog; the dog's tail is fluffy", "names a part ('tail')"),
+    ("a dog; the dog's bowls are red", "names a plural, with no count ('bowls')"),
+    ("a cat and a collar; the cat's collar is red", "a collar was written before, not with the cat"),
+    ("the cat's collar's bell is red", "a possessive subject only as 'the X's Y is ...'"),
+    ("a dog; the dog's collar is on a table", "reads 'X's' only before a part"),
     ("a cup of zesty tea", "'zesty tea' after 'cup of'"),
     ("a zesty cup of tea", "['zesty'] before the noun 'cup'"),
     ("a cup of a tea", "not part of a noun: ['a']"),
@@ -194,7 +209,7 @@ NEGATIVE = [
     ("a cat and left of a dog", "needs a relation before it"),
     ("a teal car", None),
     ("seven glass sheep", None),
-    ("a sleepy cat", "['sleepy'] before the noun 'cat'"),
+    ("a groggy cat", "['groggy'] before the noun 'cat'"),
     ("a velvety-ish car", "['velvety-ish'] before the noun 'car'"),
     ("a traffic sign", "['traffic'] before the noun 'sign'"),
     ("a gold wedding ring", "['wedding'] before the noun 'ring'"),
@@ -313,7 +328,7 @@ def test_unsupported_constructs_point_to_the_llm_builder():
 def test_unknown_attribute_word_is_never_part_of_the_noun():
     for word in ("teal", "sparkling", "checkered", "glass"):
         assert word in ATTRIBUTE_KIND
-    for prompt in ("a photo of a zesty car", "a sleepy cat next to a dog", "two zesty cars"):
+    for prompt in ("a photo of a zesty car", "a groggy cat next to a dog", "two zesty cars"):
         with pytest.raises(PromptParseError, match="not an attribute word"):
             parse_prompt(prompt)
 
@@ -386,8 +401,11 @@ def test_prompt_length_and_atom_limits():
 # after a list only to the last listed noun phrase (the second and fourth lists, and the parser:
 # to each).
 # The second list files "glowing" under state; the vocabulary (and the other lists) under texture.
+# It also writes "a vase of red roses" as roses in a vase; the seventh list (and, since the eighth
+# round, the parser, as after the other containers) as one noun "vase of roses", colour red.
 # The third list reads "paper bag" and "paper lantern" as compounds (the first and second lists,
-# and the parser: paper as a material), writes one
+# and the parser: paper as a material; "paper bag" is refused since the eighth round, as the
+# eighth list writes it as a compound too), writes one
 # posture verb into its relation ("sitting on"; elsewhere it writes the relation alone, as the
 # parser reads it), drops the state of a posture verb that is also a state word ("parked" after a
 # list, "a red car and a blue car parked next to a house"; "a cat sleeping on a wooden
@@ -422,9 +440,9 @@ LABEL_DIFFERENCES = {
                                     "two red apples and a yellow banana on top of a wooden table",
                                     "two potatoes and three tomatoes on top of a wooden board",
                                     "a red cup inside a glass box"],
-    "compositional_heldout2.jsonl": ["a glowing lantern above a sleeping dog and a wooden boat"],
-    "compositional_heldout3.jsonl": ["a crumpled paper bag next to an apple",
-                                     "two paper lanterns above a koi pond",
+    "compositional_heldout2.jsonl": ["a vase of red roses on a wooden table",
+                                     "a glowing lantern above a sleeping dog and a wooden boat"],
+    "compositional_heldout3.jsonl": ["two paper lanterns above a koi pond",
                                      "a cat sleeping on a wooden windowsill",
                                      "an old man sitting on a bench beside a lake",
                                      "a red car and a blue car parked next to a house",
@@ -435,6 +453,7 @@ LABEL_DIFFERENCES = {
     "compositional_heldout5.jsonl": [],
     "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg"],
     "compositional_heldout7.jsonl": [],
+    "compositional_heldout8.jsonl": [],
 }
 
 

@@ -20,7 +20,8 @@ the container ("a cat in a basket on a sofa"). A chain whose later relation is "
 a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
 woman with a dog": the dog is the woman's), or whose first relation is "in" something neither a
 garment nor a container, "with" after a list ("a cat and a dog with a collar": whose?), "between"
-followed by a list, and a new clause after two or more objects raise ValueError saying why.
+followed by a list of more than two or by a relation after its list ("a lamp between a bed and a
+desk on a rug"), and a new clause after two or more objects raise ValueError saying why.
 """
 
 from __future__ import annotations
@@ -227,15 +228,20 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
     subjects, relation, run = [0], None, [0]
     for k, op in enumerate(ops):
         if op == SEP:
-            if relation is not None and relation.canonical == "between":
-                raise ValueError(f"{relation.form!r} is followed by a list: 'X between A and B' "
-                                 "relates three noun phrases at once, which a scene graph edge "
-                                 "(one subject, one object) cannot state; write 'between' with "
-                                 "one noun phrase of two or more ('a lamp between two chairs')")
+            if relation is not None and relation.canonical == "between" and len(run) > 1:
+                raise ValueError(f"{relation.form!r} is followed by a list of more than two noun "
+                                 "phrases: 'between' takes one noun phrase of two or more ('a "
+                                 "lamp between two chairs') or two ('a lamp between a bed and a "
+                                 "desk')")
             run.append(k + 1)
             if relation is not None:
                 edges += [(s, relation.canonical, k + 1) for s in subjects]
             continue
+        if not op.also and relation is not None and relation.canonical == "between" \
+                and len(run) > 1:
+            raise ValueError(f"{op.form!r} follows 'between A and B': it may place the last noun "
+                             "phrase or start a new clause; write it as its own statement ('...; "
+                             f"the lamp is {op.form} ...')")
         if op.also and relation is None:
             raise ValueError(f"'and {op.form}' needs a relation before it to share its subject")
         if not op.also and relation is not None and k == run[0]:

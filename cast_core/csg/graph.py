@@ -15,7 +15,8 @@ Conventions (ours; the CAST paper publishes no schema):
 - Relations: GenEval's four (`RELATIONS`, the only ones its metadata and the LLM builder write)
   and the offline parser's others (`EXTRA_RELATIONS`: "in front of", "behind", "on top of",
   "next to", "close to" for "near", "with", "on", "in", "around", "against" and "between", whose
-  object is one node of count two or more). A graph has at most `MAX_ATOMS` atoms.
+  object is one node of count two or more, or one of two nodes of one: "X between A and B" is an
+  edge to each, both asking the one question). A graph has at most `MAX_ATOMS` atoms.
 
 `atoms()` orders node atoms in node order, then edge atoms. `to_dict`/`from_dict` round-trip
 exactly; `from_dict` only rebuilds, call `validate_graph` to check the result.

@@ -25,8 +25,11 @@ belongs to the subject ("a girl with a kite next to a tree": the girl), and afte
 (`garments` in the vocabulary: "a girl in a yellow raincoat next to a tree": the girl); after "in"
 a container (`containers`: "a cat in a basket on a sofa") it places the container. "with" later in
 a chain belongs to the noun phrase before it only in "A with B rel C with D". "between" takes one noun
-phrase of two or more ("a lamp between two chairs"). A separator before "the ... is|are" also starts a
-statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun that no earlier noun
+phrase of two or more ("a lamp between two chairs") or two of one ("a lamp between a bed and a
+desk": a "between" edge to each, both asking "Is the lamp between the bed and the desk?"). A
+possessive subject of a predication, "the X's Y is ..." ("a black cat; the cat's collar is red"),
+is X with Y, Y a new noun phrase of one unless X is already with one. A separator before "the
+... is|are" also starts a statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun that no earlier noun
 phrase has is a new noun phrase of one after a relation ("a cat under the bed") and as the subject
 of a predication before any a/an or count noun phrase ("the cat is black"). "A and B next to each
 other" (near, close to) is one edge from A to B. A predication on a pronoun ("it is red", "they are
@@ -39,13 +42,12 @@ adds attributes to it, or relates it).
 
 Refused as ambiguous, each with its reason: "with" later in a chain ("a girl on a bench with a
 dog": the girl's or the bench's?), a chain whose first relation is "in" something neither a
-garment nor a container ("a squirrel in a tree next to a house"), "between" followed by a list ("between
-a tree and a lamp": one relation of three noun phrases, which an edge cannot state), an attribute
-inside an "of" phrase ("a cup of green tea"), a new clause after two or more objects, and "X next
-to A and B rel C" with C not written before ("a pen beside a notebook and a pencil on a desk": is
-the pencil a second object of "beside"? a comma before "and", "X next to A, and B rel C", or the
-same relation twice makes it a new clause). ATTRIBUTE words come
-from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
+garment nor a container ("a squirrel in a tree next to a house"), "between" followed by a list
+of more than two or by a relation after its list ("a lamp between a bed and a desk on a rug"), a
+new clause after two or more objects, and "X next to A and B rel C" with C not written before
+("a pen beside a notebook and a pencil on a desk": is the pencil a second object of "beside"?
+a comma before "and", "X next to A, and B rel C", or the same relation twice makes it a new
+clause). ATTRIBUTE words come from the vocabulary file (colour, size, material, pattern, texture, shape, state; "light",
 "dark", "navy"... + colour is one colour, and so are two colours joined by "and", "black and
 white"); a node's attributes are kept in `ATTRIBUTE_KINDS`
 order. NOUN is one plain word, or a listed compound noun ("fire hydrant", and the few that start
@@ -58,7 +60,7 @@ pair's). "made of" + a material word after the noun, or in a predication ("the g
 iron"), is the material attribute, as written. A vocabulary word is the noun
 only when nothing follows it and it can be one ("an orange", "a glass"). Any other word is an
 error naming it and, where it can tell, the construct (a verb such as "chasing", a nested clause,
-an unsupported relation such as "between", an "of" phrase after anything but a container or
+an unsupported relation such as "across", an "of" phrase after anything but a container or
 quantity), pointing to the LLM builder: the
 parser never guesses. An NP that agrees badly ("two circle") is read as meant, since invariant
 plurals ("two sheep") cannot be told apart from it.
@@ -225,7 +227,7 @@ def parse_prompt(prompt: str, tag: str | None = None,
             continue
         relates = spans[0][-1:] in (["is"], ["are"]) and ops and isinstance(ops[0], Relation)
         if is_predication(spans[0]) and not relates:
-            _predicate(spans, ops, phrases, prompt, listed, opening)
+            edges += _predicate(spans, ops, phrases, edges, prompt, listed, opening)
             continue
         spans = [spans[0][:-1], *spans[1:]] if relates else spans
         edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
@@ -302,9 +304,13 @@ def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], inde
         if relation == "in" and phrases[index[j]].noun == "row":
             raise _fail(prompt, f"'in {' '.join(spans[j])}' reads as an arrangement ('parked in a "
                                 f"row'), not an object; {_LLM}")
-        if relation == "between" and phrases[index[j]].count < 2:
+        pair = [b for a, r, b in local if (a, r) == (i, "between")]
+        if relation == "between" and phrases[index[j]].count < 2 and (
+                len(pair) != 2 or any(phrases[index[b]].count != 1 for b in pair)):
             raise _fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
-                                f"lamp between two chairs'), not {' '.join(spans[j])!r}; {_LLM}")
+                                f"lamp between two chairs') or two of one ('a lamp between a bed "
+                                f"and a desk'), not {' or '.join(' '.join(spans[b]) for b in pair)!r}"
+                                f"; {_LLM}")
 
 
 def _lists(edges: list[tuple[int, str, int]], index: list[int],
@@ -362,9 +368,11 @@ def _pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], prompt: s
 
 
 def _is_setting(span: list[str]) -> bool:
-    """Whether a noun phrase names a ground or scene ("a sandy beach", "the water"): its last
-    word, singular, is one of the vocabulary's `settings`."""
-    return bool(span) and singularize(span[-1]) in SETTINGS
+    """Whether a noun phrase names a ground or scene ("a sandy beach", "the water", "a field of
+    wheat"): its last word, or its head before "of", singular, is one of the vocabulary's
+    `settings`."""
+    words = span[:span.index("of")] if "of" in span else span
+    return bool(words) and singularize(words[-1]) in SETTINGS
 
 
 def _each_other(spans: list[list[str]], ops: list[str | Relation],
@@ -385,13 +393,19 @@ def _each_other(spans: list[list[str]], ops: list[str | Relation],
 
 
 def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[NounPhrase],
-               prompt: str, nouns: frozenset[str] | None, opening: bool = False) -> None:
+               edges: list[tuple[int, str, int]], prompt: str, nouns: frozenset[str] | None,
+               opening: bool = False) -> list[tuple[int, str, int]]:
     """Apply "the cup is red [and shiny]" to the phrase it names, in place. When `opening` (no
     noun phrase has been written with a/an or a count) a subject no earlier noun phrase has the
-    noun of is a new noun phrase of one ("the cat is black")."""
+    noun of is a new noun phrase of one ("the cat is black"). "the cat's collar is red" names the
+    cat's collar (`_possessed_subject`); the edges it adds are returned."""
     at = next(i for i, w in enumerate(spans[0]) if w in PREDICATE_VERBS)
     subject, verb = spans[0][:at], spans[0][at]
-    i = _reference(subject, phrases, prompt, nouns, "", opening)
+    added: list[tuple[int, str, int]] = []
+    if any(w.endswith("'s") for w in subject):
+        i, added = _possessed_subject(subject, phrases, edges, prompt, nouns, opening)
+    else:
+        i = _reference(subject, phrases, prompt, nouns, "", opening)
     said = f"{' '.join(subject)} {verb}"
     if any(isinstance(op, Relation) for op in ops) or not all(spans[1:]):
         raise _fail(prompt, f"after {said!r} comes either attribute words ('the cup is red and "
@@ -402,6 +416,39 @@ def _predicate(spans: list[list[str]], ops: list[str | Relation], phrases: list[
         phrases[i] = with_attributes(phrases[i], attributes, " ".join(subject), ATTRIBUTE_KINDS)
     except ValueError as err:
         raise _fail(prompt, str(err)) from err
+    return added
+
+
+def _possessed_subject(subject: list[str], phrases: list[NounPhrase],
+                       edges: list[tuple[int, str, int]], prompt: str,
+                       nouns: frozenset[str] | None,
+                       opening: bool) -> tuple[int, list[tuple[int, str, int]]]:
+    """(index, new edges) of "the X's Y" opening a predication ("a black cat; the cat's collar is
+    red"): X names a noun phrase as "the X" does, and Y is the one Y that X is "with" already, or
+    a new noun phrase of one with a "with" edge from X, as the lists write it. A part ("the cat's
+    tail is black": the tail's colour or the cat's?), a plural ("the cat's kittens": how many?)
+    and a Y written before that is no one's ("a cat and a collar; the cat's collar is red": that
+    collar or another?) are refused."""
+    at = next(k for k, w in enumerate(subject) if w.endswith("'s"))
+    said, owned = " ".join(subject), subject[at + 1:]
+    if subject[0] != "the" or not owned or any(w.endswith("'s") for w in owned):
+        raise _fail(prompt, f"possessive {said!r}: the offline parser reads a possessive subject "
+                            f"only as 'the X's Y is ...' ('the cat's collar is red'); {_LLM}")
+    owner = _reference([*subject[:at], subject[at][:-2]], phrases, prompt, nouns, "", opening)
+    phrase = _parse_phrase(["a", *owned], prompt, nouns, "", False)
+    if phrase.noun in PARTS or singularize(owned[-1]) != owned[-1]:
+        what = "a part" if phrase.noun in PARTS else "a plural, with no count"
+        raise _fail(prompt, f"{said!r} names {what} ({owned[-1]!r}), which the offline parser "
+                            f"does not place; {_LLM}")
+    held = [j for a, r, j in edges if (a, r) == (owner, "with") and phrases[j].noun == phrase.noun]
+    if held:
+        return held[0], []
+    owned_by_others = {j for _, r, j in edges if r == "with"}
+    if any(p.noun == phrase.noun and j not in owned_by_others for j, p in enumerate(phrases)):
+        raise _fail(prompt, f"{said!r}: a {phrase.noun} was written before, not with the "
+                            f"{phrases[owner].noun}; is it that one or another? {_LLM}")
+    phrases.append(phrase)
+    return len(phrases) - 1, [(owner, "with", len(phrases) - 1)]
 
 
 def _pronoun_predicate(spans: list[list[str]], ops: list[str | Relation],
@@ -642,9 +689,10 @@ def _check_ambiguous(rest: list[str], text: str, prompt: str,
             continue
         pair = f"{first} {singularize(second)}"
         if pair in AMBIGUOUS_COMPOUND_NOUNS:
-            raise _fail(prompt, f"{pair!r} in {text!r} may be one noun (the species) or a "
-                                f"{singularize(second)} whose colour is {first}; give the parser "
-                                f"a noun list or {_LLM}")
+            kind = {"color": "colour"}.get(ATTRIBUTE_KIND[first], ATTRIBUTE_KIND[first])
+            raise _fail(prompt, f"{pair!r} in {text!r} may be one noun (a kind of "
+                                f"{singularize(second)}) or a {singularize(second)} whose {kind} "
+                                f"is {first}; give the parser a noun list or {_LLM}")
 
 
 def _split(rest: list[str], count: int,
@@ -900,6 +948,14 @@ def _clause_phrase(clause: Any, prompt: str) -> NounPhrase:
     return NounPhrase(clause["class"], count, (("color", color),) if color else ())
 
 
+def _between_pair(edges: list[tuple[int, str, int]], i: int, j: int,
+                  phrases: list[NounPhrase]) -> list[int]:
+    """The two objects of "i between A and B" when edge (i, between, j) is one of its two edges
+    (objects of one), in order of appearance; [] otherwise."""
+    pair = [b for a, r, b in edges if (a, r) == (i, "between") and phrases[b].count == 1]
+    return pair if j in pair and len(pair) == 2 else []
+
+
 def build_graph(prompt: str, phrases: list[NounPhrase],
                 edges: Iterable[tuple[int, str, int]] = (), tag: str | None = None) -> SceneGraph:
     """Graph with node i for phrases[i] and edge k for edges[k] = (subject i, relation, object j)."""
@@ -912,7 +968,9 @@ def build_graph(prompt: str, phrases: list[NounPhrase],
                             "its total count")
     nodes = tuple(object_node(f"obj{i}", p.noun, p.count, p.attributes)
                   for i, p in enumerate(phrases))
-    graph_edges = tuple(relation_edge(f"rel{k}", nodes[i], relation, nodes[j])
+    edges = list(edges)
+    graph_edges = tuple(relation_edge(f"rel{k}", nodes[i], relation, nodes[j],
+                                      [nodes[b] for b in _between_pair(edges, i, j, phrases)])
                         for k, (i, relation, j) in enumerate(edges))
     graph = SceneGraph(prompt, nodes, graph_edges, tag)
     try:

@@ -12,6 +12,7 @@ way of writing questions, answers and parent links whoever built it. Question fo
 | pattern | "Does the chair have a striped pattern?" |
 | texture | "Does the chair look shiny?" |
 | relation | "Is the small wooden chair next to the two red cats?" (one form for every relation) |
+| "between" two | "Is the lamp between the bed and the desk?" (asked by each of its two edges) |
 
 A node is named in count and relation questions by all its attributes, in English adjective order
 (size, state, texture, shape, colour, pattern, material: "two small old shiny red striped wooden
@@ -66,12 +67,14 @@ def object_node(node_id: str, noun: str, count: int,
 
 
 def relation_edge(edge_id: str, subject_node: ObjectNode, relation: str,
-                  object_node: ObjectNode) -> RelationEdge:
+                  object_node: ObjectNode, pair: list[ObjectNode] = ()) -> RelationEdge:
     """Edge `subject_node` `relation` `object_node` with its one relation atom, whose parents are
-    the two object atoms."""
+    the two object atoms. `pair`: for one of the two edges of "X between A and B", A and B, which
+    the question names both ("Is the lamp between the bed and the desk?"; the other edge asks the
+    same)."""
     verb = "Is" if subject_node.count == 1 else "Are"
-    question = (f"{verb} the {node_description(subject_node)} {relation} "
-                f"the {node_description(object_node)}?")
+    named = " and ".join(f"the {node_description(n)}" for n in pair or [object_node])
+    question = f"{verb} the {node_description(subject_node)} {relation} {named}?"
     ends = (subject_node.id, object_node.id)
     atom = Atom(edge_id, "relation", question, "yes", ends, *ends, relation)
     return RelationEdge(edge_id, subject_node.id, relation, object_node.id, (atom,))

@@ -11,8 +11,8 @@ them apart (`ATTRIBUTE_COMPOUND_NOUNS`) so that they read as one noun, never as 
 Relation phrases map the forms people write to one canonical relation each ("under" and
 "beneath" are "below", "over" is "above", "beside" and "by" are "next to", "near" is "close
 to", "to the left of" and "on the left side of" are "left of", "inside" is "in"); "around",
-"against" and "between" (of one noun phrase of two or more: "between two armchairs") are
-relations of their own. Posture verbs
+"against" and "between" (of one noun phrase of two or more, "between two armchairs", or of two
+of one, "between a bed and a desk") are relations of their own. Posture verbs
 ("sitting", "parked", ...) are read only right before a relation form, which they leave as it is
 ("a cat sitting on a chair": on); "of" heads are the containers and quantities that make an "of"
 phrase one noun ("a cup of tea", "two loaves of bread"). Plurals: rules plus a small irregular
