@@ -40,7 +40,8 @@ ITERATIONS = 12
 GAIN = 0.2
 
 
-def overfit_recipe(tmp_path: Path, recipe_file: str):
+def overfit_recipe(tmp_path: Path, recipe_file: str, extra: dict | None = None):
+    """The committed recipe on the one prompt, with the test's overrides and then `extra`."""
     prompts = tmp_path / "one.jsonl"
     prompts.write_text(json.dumps(RECORD) + "\n")
     return load_recipe(RECIPES / recipe_file, {
@@ -54,7 +55,7 @@ def overfit_recipe(tmp_path: Path, recipe_file: str):
         "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0, "train.kl_target_nats": None,
         "train.lora_rank": 8, "train.lora_alpha": 8.0,
         "eval.splits": {"one": str(prompts)}, "eval.images_per_prompt": 32,
-        "eval.max_prompts": None, "eval.seed_offset": 1000})
+        "eval.max_prompts": None, "eval.seed_offset": 1000, **(extra or {})})
 
 
 def mean_score(store: Store, recipe, iteration: int) -> float:
