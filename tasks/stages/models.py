@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.csg.graph import SceneGraph
-from cast_core.csg.parser import graph_from_geneval
 from cast_core.hub_snapshot import model_identity
 from cast_core.lora import add_lora
 from tasks.stages.recipe import Recipe
