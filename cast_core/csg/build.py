@@ -33,6 +33,7 @@ class NounPhrase:
 
 
 def fail(prompt: str, reason: str) -> PromptParseError:
+    """The error that refuses `prompt` for `reason`, for the caller to raise."""
     return PromptParseError(f"cannot parse prompt {prompt!r}: {reason}")
 
 

@@ -85,8 +85,9 @@ from tasks.stages.train_update import (
     policy_config,
     train_policy,
 )
+from tasks.store.records import BlobRef
 from tasks.store.stage import StageRef, make_key, run_stage
-from tasks.store.store import BlobRef, Store
+from tasks.store.store import Store
 
 STAGE = "train_epoch"
 
