@@ -69,7 +69,8 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     """One iteration of the math alone -> (seconds per part, final LoRA tensors)."""
     from cast_core.batch_credit import batch_credit
     from cast_core.csg.graph import ATOM_TYPES, SceneGraph
-    from cast_core.policy import linear_warmup_lr, policy_update
+    from cast_core.lr_schedule import linear_warmup_lr
+    from cast_core.policy import policy_update
     from cast_core.rollout import rollout
     from tasks.stages.compute_advantages import atom_batch, credit_config
     from tasks.stages.models import load_policy, lora_tensors, scorer, set_threads

@@ -41,7 +41,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from test_csg_grammar import TABLE
 
-from cast_core.csg.parser import PromptParseError, graph_from_geneval, parse_prompt
+from cast_core.csg.build import PromptParseError
+from cast_core.csg.geneval import graph_from_geneval
+from cast_core.csg.parser import parse_prompt
 from cast_core.csg.vocab import ATTRIBUTE_KINDS
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.sampling import sample_ode
 from cast_core.shapes.prompts import load_prompt_file
 from cast_core.shapes.render import render, sample_scene

@@ -41,8 +41,10 @@ from cast_core.advantage import (
     scalar_advantages,
 )
 from cast_core.backbones.shapes import ShapesBackbone
-from cast_core.csg.parser import graph_from_geneval
-from cast_core.policy import PolicyConfig, add_lora, linear_warmup_lr, policy_update
+from cast_core.csg.geneval import graph_from_geneval
+from cast_core.lora import add_lora
+from cast_core.lr_schedule import linear_warmup_lr
+from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.sampling import sample_ode
 from cast_core.shapes.verifier import verify

@@ -43,9 +43,10 @@ from credit_probe import BASE, CFG, NOISE, POOL, STEPS, credit, on_grid
 
 from cast_core.advantage import scalar_advantages
 from cast_core.backbones.shapes import ShapesBackbone
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
+from cast_core.lora import add_lora
 from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
-from cast_core.policy import PolicyConfig, add_lora, policy_update
+from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.sampling import encode_conditioning, sample_ode
 from cast_core.shapes.verifier import verify

@@ -49,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from credit_probe import BASE, CFG, POOL, STEPS, credit, load_pool, make_probe
 
 from cast_core.backbones.shapes import ShapesBackbone
+from cast_core.lora import add_lora
+from cast_core.lr_schedule import linear_warmup_lr
 from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
-from cast_core.policy import add_lora, linear_warmup_lr
 from cast_core.sampling import encode_conditioning, sample_ode
 from cast_core.shapes.render import render, sample_scene
 from cast_core.shapes.verifier import verify

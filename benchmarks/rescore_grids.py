@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", default="data/prompts/pool.jsonl")
     args = parser.parse_args(argv)
 
-    from cast_core.csg.parser import graph_from_geneval
+    from cast_core.csg.geneval import graph_from_geneval
     from cast_core.shapes import verifier as new
 
     old = load_verifier(args.old_rev)

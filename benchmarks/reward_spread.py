@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from credit_probe import BASE, CFG, POOL, STEPS
 
 from cast_core.backbones.shapes import ShapesBackbone
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.shapes.verifier import verify
 from cast_core.window import SdeWindow

@@ -5,10 +5,8 @@ base model) with either CAST's per-position advantage maps ("spatial") or Flow-G
 advantages ("scalar"); the objectives themselves live in ``cast_core.loss``. Both objectives go
 through exactly the same loop below (same accumulation, same optimizer steps).
 
-LoRA: ``add_lora`` adds one adapter through diffusers' PEFT integration (``add_adapter``) with
-PEFT's default init (B = 0, so the adapted model starts equal to the base) and freezes every other
-parameter of the backbone, text encoder included. ``reference_mode`` disables the adapters, which
-gives the base model exactly: it is the KL reference, so no second copy of the model is kept.
+The LoRA adapter this trains, and the reference (adapters off) its KL is measured against, are
+``cast_core.lora``; the lr schedules a caller passes as ``lr_for_step`` are ``cast_core.lr_schedule``.
 
 Update loop: ``inner_epochs`` passes over the N samples (in order, or shuffled per epoch with
 ``shuffle_seed``). Each pass splits them into ``steps_per_epoch`` mini-batches of as-equal-as-
@@ -24,7 +22,7 @@ micro-batch, not K's. The recorded loss and statistics of a step (``UpdateStep``
 from the detached log-probs of all its samples and steps, so they are what one micro-batch of the
 whole mini-batch would give. ``lr_for_step`` (optional) sets every param group's lr before each
 optimizer step from the number of steps this call has taken (skipped ones not counted; the caller
-adds its earlier steps, e.g. for a warm-up: ``linear_warmup_lr``).
+adds its earlier steps, e.g. for a warm-up: ``lr_schedule.linear_warmup_lr``).
 
 Guards: a step whose loss (so any of its micro-batches' losses) or accumulated grad norm is not
 finite gets its grads zeroed and no optimizer step; its ``UpdateStep`` says skipped=True and why.
@@ -60,16 +58,15 @@ number of optimizer steps per pass is ``steps_per_epoch``. The update is ours to
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from peft import LoraConfig
 from torch import Tensor
 
 from cast_core.checks import require_count, require_positive
+from cast_core.lora import reference_mode
 from cast_core.loss import (
     PolicyLoss,
     gaussian_step_kl,
@@ -82,38 +79,6 @@ from cast_core.sampling import encode_conditioning
 from cast_core.sde import block_mean
 
 AdvantageKind = Literal["spatial", "scalar"]
-
-
-def add_lora(
-    backbone, rank: int, alpha: float, target_modules: Sequence[str] | None = None
-) -> list[torch.nn.Parameter]:
-    """Add a LoRA adapter to backbone.transformer; return its parameters (the only trainable ones)
-    in named_parameters order. target_modules defaults to backbone.lora_target_modules."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA rank must be an int >= 1; got {rank!r}")
-    if not alpha > 0:
-        raise ValueError(f"LoRA alpha must be > 0 (scale = alpha / rank); got {alpha!r}")
-    targets = list(target_modules or backbone.lora_target_modules)
-    backbone.requires_grad_(False)
-    backbone.transformer.add_adapter(
-        LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True)
-    )
-    lora = []
-    for name, p in backbone.named_parameters():
-        p.requires_grad_("lora_" in name)
-        if "lora_" in name:
-            lora.append(p)
-    return lora
-
-
-@contextmanager
-def reference_mode(backbone) -> Iterator[None]:
-    """Run the base model (adapters disabled) inside the block; adapters are re-enabled after."""
-    backbone.transformer.disable_adapters()
-    try:
-        yield
-    finally:
-        backbone.transformer.enable_adapters()
 
 
 def _positive(name: str, value: float, fix: str) -> None:
@@ -154,38 +119,6 @@ class PolicyConfig:
         _count("micro_batch", self.micro_batch)
         _positive("max_grad_norm", self.max_grad_norm, "e.g. 1.0")
         _positive("ratio_tol", self.ratio_tol, "e.g. 1e-3")
-
-
-def linear_warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
-    """The lr of optimizer step `step` (0-based, counted over the whole run) under a linear
-    warm-up: lr * min(1, (step + 1) / warmup_steps); lr itself when warmup_steps = 0."""
-    if warmup_steps < 0 or step < 0:
-        raise ValueError(f"need warmup_steps >= 0 and step >= 0: got {warmup_steps}, {step}")
-    return lr if warmup_steps == 0 else lr * min(1.0, (step + 1) / warmup_steps)
-
-
-def kl_targeted_lr(lr: float, kl_nats: float | None, target_nats: float, *,
-                   max_factor: float, lr_min: float, lr_max: float) -> float:
-    """The next iteration's lr from this iteration's lr and how far it moved the policy.
-
-    One SDE step is a Gaussian with a fixed std, so the KL a small update moves the policy by is
-    quadratic in the change of its mean, which is about linear in the lr: KL(c lr) ~ c^2 KL(lr).
-    lr * sqrt(target / kl) would then move `target_nats`. The factor is clamped to
-    [1 / max_factor, max_factor] (the KL is estimated on a few samples, and Adam's moments lag)
-    and the result to [lr_min, lr_max]. kl_nats None (no estimate, e.g. the ODE) keeps lr; a
-    kl_nats <= 0 (no move) takes the largest factor."""
-    if not (lr > 0 and target_nats > 0 and max_factor >= 1 and 0 < lr_min <= lr_max):
-        raise ValueError(f"need lr > 0, target_nats > 0, max_factor >= 1 and 0 < lr_min <= "
-                         f"lr_max: got {lr}, {target_nats}, {max_factor}, {lr_min}, {lr_max}")
-    if kl_nats is None:
-        factor = 1.0
-    elif not math.isfinite(kl_nats):
-        factor = 1.0 / max_factor
-    elif kl_nats <= 0:
-        factor = max_factor
-    else:
-        factor = min(max_factor, max(1.0 / max_factor, math.sqrt(target_nats / kl_nats)))
-    return min(lr_max, max(lr_min, lr * factor))
 
 
 @dataclass(frozen=True)

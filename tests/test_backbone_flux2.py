@@ -20,7 +20,8 @@ from tiny_models import FLUX2_LAYERS, save_flux2_pipeline
 from cast_core.backbones.base import Backbone
 from cast_core.backbones.flux2 import Flux2Backbone, flux2_sigmas
 from cast_core.backbones.flux2_text import TextEncoding
-from cast_core.policy import PolicyConfig, add_lora, policy_update, reference_mode
+from cast_core.lora import add_lora, reference_mode
+from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.sampling import sample_ode
 from cast_core.window import SdeWindow

@@ -24,7 +24,8 @@ from cast_core.backbones.qwen_image_text import (
     PromptEmbeds,
     template_prefix_length,
 )
-from cast_core.policy import PolicyConfig, add_lora, policy_update
+from cast_core.lora import add_lora
+from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.sampling import sample_ode
 from cast_core.window import SdeWindow

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
-from cast_core.policy import PolicyConfig, add_lora, policy_update
+from cast_core.lora import add_lora
+from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout, sde_noise
 from cast_core.sampling import sample_ode
 from cast_core.sde import (

@@ -8,14 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from cast_core.csg.build import PromptParseError
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.csg.graph import CsgError, SceneGraph, validate_graph
-from cast_core.csg.parser import (
-    PromptParseError,
-    graph_from_geneval,
-    parse_prompt,
-    pluralize,
-    singularize,
-)
+from cast_core.csg.parser import parse_prompt
+from cast_core.csg.vocab import pluralize, singularize
 
 PROMPT_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
 

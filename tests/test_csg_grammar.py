@@ -9,13 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from cast_core.csg.build import PromptParseError
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.csg.graph import MAX_ATOMS, SceneGraph
-from cast_core.csg.parser import (
-    MAX_PROMPT_CHARS,
-    PromptParseError,
-    graph_from_geneval,
-    parse_prompt,
-)
+from cast_core.csg.parser import MAX_PROMPT_CHARS, parse_prompt
 from cast_core.csg.vocab import (
     ATTRIBUTE_COMPOUND_NOUNS,
     ATTRIBUTE_KIND,

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.csg.graph import validate_graph
 from cast_core.csg.llm import DEFAULT_TEMPLATE, CsgBuildError, LlmCsgBuilder
 from cast_core.csg.llm_clients import ChatEndpointClient, LlmClientError, LocalCausalLMClient
 from cast_core.csg.llm_schema import AnswerError, parse_answer, parse_spec
-from cast_core.csg.parser import graph_from_geneval, parse_prompt
+from cast_core.csg.parser import parse_prompt
 from tasks.stages.csg_cache import CsgCache, CsgCacheWarning
 
 PROMPT = "a photo of two red circles left of a blue square"

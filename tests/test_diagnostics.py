@@ -13,8 +13,9 @@ from cast_core.diagnostics import (
     high_frequency_energy,
     param_change_norm,
 )
+from cast_core.lora import add_lora
 from cast_core.loss import scalar_clipped_loss, spatial_clipped_loss
-from cast_core.policy import PolicyConfig, add_lora, policy_update
+from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.window import SdeWindow
 

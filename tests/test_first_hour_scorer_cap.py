@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.scorers.registry import load_scorer
 from cast_core.scorers.remote import RemoteScorer, encode_request, request_image_count
 from cast_core.shapes.prompts import enumerate_prompts

@@ -24,9 +24,10 @@ from tasks.stages.guard import DamagedOutputError, prepare_iteration
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import rollout_groups, rollout_task
 from tasks.store.integrity import current_records, verify_store
+from tasks.store.parts import DamagedPartWarning
 from tasks.store.run_pin import RecipeMismatch, pin_recipe, read_pin
 from tasks.store.stage import StageRef
-from tasks.store.store import DamagedPartWarning, Store
+from tasks.store.store import Store
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
+from cast_core.lora import add_lora
 from cast_core.nft import forward_noised
 from cast_core.nft_update import NftConfig, nft_optimality, nft_update
-from cast_core.policy import add_lora
 from cast_core.rollout import step_seed
 from cast_core.sampling import encode_conditioning, sample_ode
 

@@ -24,7 +24,7 @@ from pipeline_helpers import (
 from safetensors import safe_open
 
 from cast_core.hub_snapshot import file_sha256 as file_hash
-from cast_core.policy import kl_targeted_lr
+from cast_core.lr_schedule import kl_targeted_lr
 from tasks.stages.calibrate_window import calibrate_window, read_window
 from tasks.stages.models import load_base, load_policy
 from tasks.stages.policy_state import policy_for

@@ -6,16 +6,10 @@ import pytest
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
+from cast_core.lora import add_lora, reference_mode
 from cast_core.loss import spatial_clipped_loss
-from cast_core.policy import (
-    PolicyConfig,
-    add_lora,
-    kl_targeted_lr,
-    linear_warmup_lr,
-    policy_update,
-    reference_mode,
-    update_kl_nats,
-)
+from cast_core.lr_schedule import kl_targeted_lr, linear_warmup_lr
+from cast_core.policy import PolicyConfig, policy_update, update_kl_nats
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.window import SdeWindow
 

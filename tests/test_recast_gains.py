@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.recast_gains import (
     ATOM_TYPES,
     StepStatistics,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
-from cast_core.policy import add_lora
+from cast_core.lora import add_lora
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout, sde_noise
 from cast_core.sampling import sample_ode
 from cast_core.window import SdeWindow

@@ -24,7 +24,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.scorers.registry import ScorerArgs, load_scorer
 from cast_core.scorers.remote import RemoteScorer, RemoteScorerError, encode_request
 from cast_core.shapes.prompts import TAGS, enumerate_prompts

@@ -13,8 +13,8 @@ from cast_core.policy import UpdateStep
 from tasks.stages.recipe_sections import TrainSection
 from tasks.stages.train_epoch import checkpoint_row, iteration_stats, train_step_rows
 from tasks.stages.train_update import TrainOutcome, pick_advantage
+from tasks.store.records import BlobRef
 from tasks.store.schemas import conform
-from tasks.store.store import BlobRef
 
 KEYS = {"run_id": "r", "iteration": 3}
 # prompt -> atom -> (type, the G = 2 samples' scores)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from cast_core.csg.parser import graph_from_geneval, parse_prompt
+from cast_core.csg.geneval import graph_from_geneval
+from cast_core.csg.parser import parse_prompt
 from cast_core.shapes.prompts import TAGS, enumerate_prompts
 from cast_core.shapes.render import render, sample_scene
 from cast_core.shapes.verifier import KINDS, detect, verify

@@ -125,7 +125,7 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
                  rs: RecastSummary | None = None) -> dict:
     """report.md, figures.json, the plots and the copied grids under `out` -> {"report",
     "figures"} (paths)."""
-    from tasks.store.store import atomic_write_bytes
+    from tasks.store.files import atomic_write_bytes
 
     store, prefix, last = setup["store"], setup["prefix"], setup["size"].iterations - 1
     entries = figures(sm, setup) + hacking_figures(sm, res, prefix, last)

@@ -3,7 +3,7 @@
 The model only describes the scene in the small JSON format of `cast_core.csg.llm_schema`, which
 also validates it; our code turns the validated `SceneSpec` into the `SceneGraph` (atoms,
 questions, answers, parent links) with the GenEval parser's own builders (`object_node`,
-`relation_edge` in `cast_core.csg.parser`), so an LLM answer that describes a GenEval prompt gives
+`relation_edge` in `cast_core.csg.questions`), so an LLM answer that describes a GenEval prompt gives
 exactly the parser's graph. Generalisations the parser's grammar never needs: any number of
 relations (edge k is "rel{k}", its atom's parents are its two object atoms) and attribute keys
 besides colour (one "obj0/<key>" atom each, in `ATTRIBUTE_KEYS` order).
@@ -35,7 +35,7 @@ from cast_core.csg.graph import (
 )
 from cast_core.csg.llm_clients import ChatClient, ChatMessage
 from cast_core.csg.llm_schema import ATTRIBUTE_KEYS, SceneSpec, parse_answer, parse_spec
-from cast_core.csg.parser import object_node, relation_edge
+from cast_core.csg.questions import object_node, relation_edge
 
 TEMPLATE_VERSION = "csg-llm-v1"
 ANSWER_EXCERPT_CHARS = 500

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cast_core.csg.graph import MAX_COUNT, MIN_COUNT, RELATIONS, CsgError
-from cast_core.csg.parser import COUNT_WORDS, NUMBER_NAMES
+from cast_core.csg.questions import NUMBER_NAMES
+from cast_core.csg.words import COUNT_WORDS
 
 ATTRIBUTE_KEYS: tuple[str, ...] = ("color", "size", "material", "texture", "shape", "state")
 MAX_OBJECTS = 10

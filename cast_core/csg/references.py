@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from cast_core.csg.vocab import pluralize
 
 if TYPE_CHECKING:
-    from cast_core.csg.parser import NounPhrase
+    from cast_core.csg.build import NounPhrase
 
 Reading = tuple[str, tuple[tuple[str, str], ...], bool]
 

@@ -47,7 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cast_core.csg.parser import PREFIX, graph_from_geneval, noun_phrase, parse_prompt
+from cast_core.csg.geneval import graph_from_geneval
+from cast_core.csg.parser import PREFIX, parse_prompt
+from cast_core.csg.questions import noun_phrase
 from cast_core.shapes.world import COLORS, MAX_COUNT, RELATIONS, SHAPES
 
 SMALL_TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position",

@@ -40,8 +40,9 @@ from tasks.reporting.eval_plots import (
     rollout_plot,
 )
 from tasks.reporting.markdown import table
+from tasks.store.files import atomic_write_bytes
 from tasks.store.locations import store_root
-from tasks.store.store import Store, atomic_write_bytes
+from tasks.store.store import Store
 
 REPORT = "report.md"
 GROUP_KINDS = (("tag", "strict_accuracy", "strict"), ("atom_count", "strict_accuracy", "strict"),

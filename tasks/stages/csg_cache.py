@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from tasks.store.store import atomic_write_bytes
+from tasks.store.files import atomic_write_bytes
 
 
 class CsgCacheWarning(UserWarning):
@@ -62,7 +62,7 @@ class CsgCache:
 
     def put(self, prompt: str, model_id: str, template_version: str,
             answer: dict[str, Any]) -> Path:
-        """Write the entry atomically (`tasks.store.store.atomic_write`: temp file beside it, fsync,
+        """Write the entry atomically (`tasks.store.files.atomic_write`: temp file beside it, fsync,
         os.replace)."""
         path = self.path(prompt, model_id, template_version)
         entry = {"prompt": prompt, "model_id": model_id, "template_version": template_version,

@@ -42,7 +42,7 @@ import torch
 from prefect import task
 from tqdm.auto import tqdm
 
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.diagnostics import high_frequency_energy
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.metrics import ImageResult, image_groups, summarise, summarise_by_atom_type

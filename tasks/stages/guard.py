@@ -29,9 +29,10 @@ from tasks.stages.iteration import ITERATION_STAGES, RUN_STAGES
 from tasks.stages.recipe import Recipe
 from tasks.store import stage as stage_protocol  # code_version looked up at call time
 from tasks.store.integrity import PROBLEMS, RecordCheck, check_record, current_records
+from tasks.store.records import StageRecord
 from tasks.store.run_pin import pin_recipe
 from tasks.store.stage import RUN_LEVEL, StageRef
-from tasks.store.store import StageRecord, Store
+from tasks.store.store import Store
 
 # The stages of a training iteration in the order the flow runs them (run-level ones first).
 TRAINING_CHAIN = RUN_STAGES + ITERATION_STAGES

@@ -4,7 +4,7 @@ and the policy / optimizer state as tensors for safetensors blobs.
 The pipeline sees one protocol per kind; this module is the only place that
 maps a recipe's `family` / `kind` strings to implementations, so adding a backbone or scorer is
 one entry here. Policy state: the LoRA parameters by name (the trainable parameters after
-`policy.add_lora`), and AdamW's moments per parameter index with its param groups as JSON
+`cast_core.lora.add_lora`), and AdamW's moments per parameter index with its param groups as JSON
 metadata. LoRA's random init (PEFT draws A from torch's global generator) is seeded from the run
 seed, so iteration 0 of two runs with the same seed starts from the same adapter.
 """
@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.csg.graph import SceneGraph
-from cast_core.csg.parser import graph_from_geneval
 from cast_core.hub_snapshot import model_identity
-from cast_core.policy import add_lora
+from cast_core.lora import add_lora
 from tasks.stages.recipe import Recipe
 from tasks.store.stage import derive_seed
 

@@ -24,14 +24,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cast_core.csg.build import PromptParseError
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.csg.graph import SceneGraph
-from cast_core.csg.parser import (
-    MAX_PROMPT_CHARS,
-    PromptParseError,
-    graph_from_geneval,
-    node_description,
-    parse_prompt,
-)
+from cast_core.csg.parser import MAX_PROMPT_CHARS, parse_prompt
+from cast_core.csg.questions import node_description
 from cast_core.shapes.prompts import PromptFileError, load_prompt_file, utf8_lines
 from tasks.stages.recipe import Recipe
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from cast_core.csg.parser import graph_from_geneval
+from cast_core.csg.geneval import graph_from_geneval
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.recast_gains import (
     ATOM_TYPES,

@@ -247,7 +247,8 @@ class TrainSection(Section):
     moves the policy the same distance an iteration. Iteration 0 runs at `lr`; iteration k at the
     previous iteration's lr times sqrt(kl_target_nats / its `update_kl_nats`) (a small move's KL
     is quadratic in the lr), the factor clamped to [1 / kl_lr_factor, kl_lr_factor] and the lr to
-    [kl_lr_floor, kl_lr_ceiling] x lr (`cast_core.policy.kl_targeted_lr`; the warm-up multiplies it as usual).
+    [kl_lr_floor, kl_lr_ceiling] x lr (`cast_core.lr_schedule.kl_targeted_lr`; the warm-up
+    multiplies it as usual).
     Why: at a constant lr the objectives move different distances (Flow-GRPO 0.010 nats an
     iteration at lr 4e-4 on the shapes pool; CAST's map more), and at lr 1e-3 Flow-GRPO's move
     grew from 0.03-0.06 nats in its first 13 iterations to 0.1-0.6 after, where its images broke

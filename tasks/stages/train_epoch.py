@@ -8,10 +8,10 @@ map on the spatial loss), runs `cast_core.policy.policy_update`
 `micro_batch` samples; clipped objective, optional KL to the adapter-free base, NaN/Inf guard that
 skips and records a bad step), with the lr of each optimizer step set by a linear warm-up over the
 first `warmup_steps` optimizer steps of the run (counted from the AdamW state's step, so across
-iterations; `cast_core.policy.linear_warmup_lr`) applied to the iteration's lr (`iteration_lr`:
-`train.lr`, or with `train.kl_target_nats` the previous iteration's lr scaled by how far that
-iteration moved the policy, so that each iteration moves about the target). With `recast.weighting` "static" or "recast"
-the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
+iterations; `cast_core.lr_schedule.linear_warmup_lr`) applied to the iteration's lr
+(`iteration_lr`: `train.lr`, or with `train.kl_target_nats` the previous iteration's lr scaled by
+how far that iteration moved the policy, so that each iteration moves about the target). With
+`recast.weighting` "static" or "recast" the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
 weighted by `tasks.stages.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
 stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
 - `train_steps`: one row per optimizer step with the samples it used, loss, clip fraction, ratio
@@ -64,8 +64,9 @@ from safetensors import safe_open
 from cast_core.advantage import step_weighted_maps
 from cast_core.csg.graph import ATOM_TYPES
 from cast_core.diagnostics import RewardAlarm, constant_reward_alarm, high_frequency_energy
+from cast_core.lr_schedule import kl_targeted_lr
 from cast_core.nft_update import NftConfig, NftStep
-from cast_core.policy import UpdateStep, kl_targeted_lr
+from cast_core.policy import UpdateStep
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
 from tasks.stages.guard import stage_task
@@ -84,8 +85,9 @@ from tasks.stages.train_update import (
     policy_config,
     train_policy,
 )
+from tasks.store.records import BlobRef
 from tasks.store.stage import StageRef, make_key, run_stage
-from tasks.store.store import BlobRef, Store
+from tasks.store.store import Store
 
 STAGE = "train_epoch"
 
@@ -116,7 +118,7 @@ def _logger():
 def iteration_lr(recipe: Recipe, policy: PolicyState) -> float:
     """The lr this iteration trains at before the warm-up's factor: `train.lr`, or with
     `train.kl_target_nats` the previous iteration's lr scaled towards the KL target by how far it
-    moved the policy (`cast_core.policy.kl_targeted_lr`; `train.lr` at iteration 0, and for a
+    moved the policy (`cast_core.lr_schedule.kl_targeted_lr`; `train.lr` at iteration 0, and for a
     previous checkpoint written before checkpoints had an lr)."""
     tr = recipe.train
     if tr.kl_target_nats is None or policy.iteration == 0:

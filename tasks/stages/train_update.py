@@ -3,7 +3,7 @@ the update's config (`policy_config`, `nft_config`), the advantages the recipe t
 (`pick_advantage`), and `train_policy`, which takes the loaded policy and its optimizer through
 one iteration's optimizer steps (`cast_core.policy.policy_update`, or
 `cast_core.nft_update.nft_update` with `train.objective = "nft"`) under the warm-up
-(`cast_core.policy.linear_warmup_lr`), refuses weights that came out non-finite
+(`cast_core.lr_schedule.linear_warmup_lr`), refuses weights that came out non-finite
 (`NonFiniteWeights`) and measures how far the update moved the policy
 (`cast_core.policy.update_kl_nats`, `cast_core.diagnostics.param_change_norm`). Nothing here
 reads or writes the store; the stage module says what the update's results become.
@@ -19,14 +19,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from cast_core.diagnostics import param_change_norm
+from cast_core.lr_schedule import linear_warmup_lr
 from cast_core.nft_update import NftConfig, NftStep, nft_update
-from cast_core.policy import (
-    PolicyConfig,
-    UpdateStep,
-    linear_warmup_lr,
-    policy_update,
-    update_kl_nats,
-)
+from cast_core.policy import PolicyConfig, UpdateStep, policy_update, update_kl_nats
 from cast_core.rollout import Rollout, RolloutSpec
 from tasks.stages.models import lora_tensors, optimizer_tensors
 from tasks.stages.recipe import Recipe

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from tasks.store.integrity import current_records
-from tasks.store.store import Store, blob_name_hash
+from tasks.store.records import blob_name_hash
+from tasks.store.store import Store
 
 # (table, column) that names each kind of bulky blob, one per iteration.
 BULKY = {"window_steps": ("rollouts", "latents_path"),

@@ -19,14 +19,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cast_core.hub_snapshot import file_sha256
-from tasks.store.store import (
-    BlobRef,
-    StageRecord,
-    Store,
-    blob_name_hash,
-    combined_hash,
-    parquet_readable,
-)
+from tasks.store.parts import parquet_readable
+from tasks.store.records import BlobRef, StageRecord, blob_name_hash, combined_hash
+from tasks.store.store import Store
 
 PathStatus = Literal["ok", "missing", "changed", "unreadable", "collected"]
 # what a damaged path's status means, for messages

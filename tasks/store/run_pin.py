@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from tasks.store.parts import parquet_readable
 from tasks.store.stage import code_version
-from tasks.store.store import Store, parquet_readable
+from tasks.store.store import Store
 
 TABLE = "runs"
 

@@ -39,7 +39,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tasks.store.store import BlobRef, StageRecord, Store, TableRef
+from tasks.store.records import BlobRef, StageRecord, TableRef
+from tasks.store.store import Store
 
 RUN_LEVEL = -1
 _PACKAGES = ("cast_core", "tasks")
