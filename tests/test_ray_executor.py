@@ -93,3 +93,37 @@ def test_no_reload_between_stages_or_iterations(ray_run):
     # iteration 1: actor 0 holds the trained policy already; actor 1 swaps in its LoRA only
     assert [(n.backbone, n.lora) for n in second["policy"]] == [(1, 0), (1, 1)]
     assert first["scorer"] == second["scorer"] == [1, 1]
+
+
+@pytest.mark.slow
+def test_a_killed_actors_shard_is_redone(ray_run, tmp_path_factory):
+    """SIGKILL a policy actor while its shard samples: Ray restarts it and retries the shard,
+    and the stage writes the single-process rows and blobs, with no shard blob left over."""
+    import os
+    import signal
+    import threading
+    import time
+
+    local_store, _, _, local = reference(tmp_path_factory)
+    _, recipe, _, _, _ = ray_run
+    store = Store(tmp_path_factory.mktemp("ray-fault") / "store")
+    stages = plain_stages()
+    setup = run_setup(stages, store, recipe)
+    with executor(recipe) as workers:
+        victim = workers.policy[1]
+        pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+        got = {}
+        call = threading.Thread(target=lambda: got.update(ref=stages.rollout(
+            store, recipe, setup["build_csgs"], setup["calibrate_window"], 0, workers=workers)))
+        call.start()
+        time.sleep(1.0)  # the fresh actor is loading the backbone or sampling its shard
+        os.kill(pid, signal.SIGKILL)
+        call.join(timeout=300)
+        restarted = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+        workers.release()
+    assert restarted != pid
+    assert _rows(store, got["ref"], "rollouts") == _rows(local_store, local["rollout"], "rollouts")
+    assert got["ref"].content_hash == local["rollout"].content_hash
+    recorded = {p for record in store.stage_records() for p in record.paths}
+    stored = {p.relative_to(store.root).as_posix() for p in (store.root / "blobs").rglob("*.*")}
+    assert stored == {p for p in recorded if p.startswith("blobs/")}
