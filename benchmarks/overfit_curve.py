@@ -26,15 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tasks.stages.build_csgs import build_csgs  # noqa: E402
-from tasks.stages.calibrate_window import calibrate_window  # noqa: E402
-from tasks.stages.compute_advantages import compute_advantages  # noqa: E402
-from tasks.stages.evaluate import evaluate_checkpoint  # noqa: E402
-from tasks.stages.rollout import rollout_groups  # noqa: E402
-from tasks.stages.score_atoms import score_atoms  # noqa: E402
-from tasks.stages.train_epoch import train_epoch  # noqa: E402
-from tasks.store.store import Store  # noqa: E402
-from test_learning import mean_score, overfit_recipe  # noqa: E402
+from test_learning import mean_score, overfit_recipe
+
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.calibrate_window import calibrate_window
+from tasks.stages.compute_advantages import compute_advantages
+from tasks.stages.evaluate import evaluate_checkpoint
+from tasks.stages.rollout import rollout_groups
+from tasks.stages.score_atoms import score_atoms
+from tasks.stages.train_epoch import train_epoch
+from tasks.store.store import Store
 
 
 def parse_set(items: list[str]) -> dict:

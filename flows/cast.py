@@ -4,7 +4,8 @@ Deployed as `cast/train-iteration` (prefect.yaml). Every stage is a cached, resu
 (tasks/store/stage.py); re-running after a crash finishes the iteration and skips finished stages.
 With `recast.weighting = "recast"` the ReCAST gains of the policy (re-estimated every
 `recast.every` iterations) run before training, which weights each atom type's share of the map
-per step.
+per step. With `run.executor = "ray"` the rollout, scoring and training run on the run's resident
+Ray actors (`tasks.stages.ray_workers`); the other stages, and the wiring, stay here.
 
     .venv/bin/python -m flows.cast --recipe data/recipes/shapes-cast.toml
 
@@ -46,6 +47,7 @@ from tasks.stages.build_csgs import build_csgs_task
 from tasks.stages.calibrate_window import calibrate_window_task
 from tasks.stages.compute_advantages import compute_advantages_task
 from tasks.stages.iteration import Stages, next_iteration, run_iteration, run_setup
+from tasks.stages.ray_workers import executor
 from tasks.stages.recast_gains import gains_for_training_task
 from tasks.stages.rollout import rollout_task
 from tasks.stages.score_atoms import score_atoms_task
@@ -66,7 +68,8 @@ def cast(recipe: str = DEFAULT_RECIPE, iteration: int | None = None, store: str 
     st = Store(store_root(store))
     setup = run_setup(TASKS, st, r)
     k = next_iteration_task(st, r) if iteration is None else iteration
-    run_iteration(TASKS, st, r, setup, k)
+    with executor(r) as workers:
+        run_iteration(TASKS, st, r, setup, k, workers=workers)
     return iteration_report_task(st, r, k)
 
 

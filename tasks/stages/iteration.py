@@ -62,16 +62,20 @@ def run_setup(stages: Stages, store, recipe,
 
 
 def run_iteration(stages: Stages, store, recipe, setup: dict[str, Any], k: int,
-                  before: Callable[[str], None] | None = None) -> dict[str, Any]:
+                  before: Callable[[str], None] | None = None,
+                  workers: Any = None) -> dict[str, Any]:
     """Iteration k's stages in order -> {stage: ref} (the keys of `ITERATION_STAGES` that ran;
     "recast_gains" only with `recast.weighting = "recast"`, its ref naming the iteration the
-    gains were estimated on); `before` is called with each stage's name before it starts."""
+    gains were estimated on); `before` is called with each stage's name before it starts.
+    `workers`: the Ray executor's actors (`tasks.stages.ray_workers.executor`), passed to the
+    rollout, scoring and training; None computes every stage here."""
     before = before or _nothing
+    on = {} if workers is None else {"workers": workers}
     csgs, window = setup["build_csgs"], setup["calibrate_window"]
     before("rollout")
-    ro = stages.rollout(store, recipe, csgs, window, k)
+    ro = stages.rollout(store, recipe, csgs, window, k, **on)
     before("score_atoms")
-    sc = stages.score_atoms(store, recipe, csgs, ro, k)
+    sc = stages.score_atoms(store, recipe, csgs, ro, k, **on)
     before("compute_advantages")
     ad = stages.compute_advantages(store, recipe, ro, sc, k)
     refs = {"rollout": ro, "score_atoms": sc, "compute_advantages": ad}
@@ -80,7 +84,7 @@ def run_iteration(stages: Stages, store, recipe, setup: dict[str, Any], k: int,
         before("recast_gains")
         refs["recast_gains"] = gains = stages.recast_gains(store, recipe, k)
     before("train_epoch")
-    refs["train_epoch"] = stages.train_epoch(store, recipe, csgs, ro, sc, ad, k, gains)
+    refs["train_epoch"] = stages.train_epoch(store, recipe, csgs, ro, sc, ad, k, gains, **on)
     return refs
 
 

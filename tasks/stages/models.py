@@ -76,15 +76,20 @@ def load_policy(recipe: Recipe, lora: dict[str, torch.Tensor] | None):
         torch.manual_seed(derive_seed(recipe.run.seed, "lora-init") % (2**63))
         params = add_lora(backbone, recipe.train.lora_rank, recipe.train.lora_alpha)
     if lora is not None:
-        named = {n: p for n, p in backbone.named_parameters() if p.requires_grad}
-        if set(named) != set(lora):
-            missing, extra = sorted(set(named) - set(lora)), sorted(set(lora) - set(named))
-            raise ValueError(f"saved LoRA does not match the recipe's adapter (rank/targets?): "
-                             f"missing {missing[:3]}..., unexpected {extra[:3]}...")
-        with torch.no_grad():
-            for name, p in named.items():
-                p.copy_(lora[name])
+        set_lora(backbone, lora)
     return backbone.eval(), params
+
+
+def set_lora(backbone, lora: dict[str, torch.Tensor]) -> None:
+    """Copy saved LoRA weights (by parameter name) into the backbone's adapter, in place."""
+    named = {n: p for n, p in backbone.named_parameters() if p.requires_grad}
+    if set(named) != set(lora):
+        missing, extra = sorted(set(named) - set(lora)), sorted(set(lora) - set(named))
+        raise ValueError(f"saved LoRA does not match the recipe's adapter (rank/targets?): "
+                         f"missing {missing[:3]}..., unexpected {extra[:3]}...")
+    with torch.no_grad():
+        for name, p in named.items():
+            p.copy_(lora[name])
 
 
 def lora_tensors(backbone) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ from tasks.stages.recipe_sections import (
     BuilderSection,
     EvalSection,
     PromptsSection,
+    RaySection,
     RecastSection,
     RunSection,
     SamplingSection,
@@ -52,10 +53,10 @@ class RecipeError(ValueError):
 
 
 class Recipe(Section):
-    """`unpinned_sections`: sections no training iteration reads (evaluations are keyed by their
-    own spec hash), left out of `pinned` whole."""
+    """`unpinned_sections`: sections that change no training result (evaluations are keyed by
+    their own spec hash; `ray` says only where stages compute), left out of `pinned` whole."""
 
-    unpinned_sections: ClassVar[tuple[str, ...]] = ("eval",)
+    unpinned_sections: ClassVar[tuple[str, ...]] = ("eval", "ray")
 
     run: RunSection
     backbone: BackboneSection
@@ -68,6 +69,7 @@ class Recipe(Section):
     train: TrainSection
     eval: EvalSection
     recast: RecastSection = RecastSection()
+    ray: RaySection = RaySection()
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -118,7 +120,31 @@ class Recipe(Section):
                              f"recast.positives to a folder of images from a stronger generator "
                              f"in GenEval's output layout (<folder>/<NNNNN>/metadata.jsonl and "
                              f"samples/*.png), or use weighting 'static'")
+        self._ray_devices()
         return self
+
+    def _ray_devices(self) -> None:
+        """With the Ray executor, a model placed on a GPU needs actors that reserve one."""
+        if self.run.executor != "ray":
+            return
+        for device, gpus, field in ((self.backbone.device, self.ray.num_gpus, "num_gpus"),
+                                    (self.scorer.device, self.ray.scorer_num_gpus,
+                                     "scorer_num_gpus")):
+            if device.startswith("cuda") and gpus == 0:
+                raise ValueError(f"run.executor = 'ray' with a model on {device!r} and "
+                                 f"ray.{field} = 0: Ray hides the GPUs from an actor that "
+                                 f"reserves none; set ray.{field} = 1 (or a fraction to share one)")
+
+    def _executor(self) -> str:
+        if self.run.executor == "local":
+            return "local: every stage in the flow's process"
+        r = self.ray
+        cluster = "a local cluster started here" if not r.address else f"the cluster at {r.address}"
+        return (f"ray on {cluster}: {r.rollout_workers} resident policy actor(s) roll out "
+                f"(each {r.num_gpus:g} GPU, {r.num_cpus:g} CPU), the first {r.train_workers} "
+                f"train; {r.scorer_workers} scorer actor(s) (each {r.scorer_num_gpus:g} GPU, "
+                f"{r.scorer_num_cpus:g} CPU); {-(-self.prompts.per_iteration // r.rollout_workers)}"
+                f" prompt group(s) per rollout shard at most")
 
     def _algorithm(self) -> str:
         kind, reward = self.advantage.kind, self.advantage.reward
@@ -167,6 +193,7 @@ class Recipe(Section):
                           f"every {self.recast.every} iteration(s) on {self.recast.prompts} x "
                           f"{self.recast.samples_per_prompt} samples, positives from "
                           f"{self.recast.positives}"}[self.recast.weighting],
+            "executor": self._executor(),
             "recipe_hash": self.content_hash()[:16],
         }
 

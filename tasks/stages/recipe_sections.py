@@ -1,6 +1,6 @@
 """The sections of a recipe (`tasks.stages.recipe.Recipe`), one frozen pydantic model per TOML
 table: `run`, `backbone`, `scorer`, `builder`, `prompts`, `sampling`, `window`, `advantage`,
-`train`, `eval` and `recast`. Each field is typed, bounded and documented where it is declared;
+`train`, `eval`, `recast` and `ray`. Each field is typed, bounded and documented where it is declared;
 an unknown field or a value outside the allowed set raises (`extra = "forbid"`, `Literal`
 choices), and a section's own consistency (e.g. a soft-tifa scorer needs a path) is checked by
 its validator. What spans sections (the window fits the sampler's steps, the objective suits the
@@ -30,11 +30,17 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    unpinned: ClassVar[tuple[str, ...]] = ("threads",)
+    """`executor`: where the stages compute. "local" (the default): each stage in the flow's
+    process, loading the models it needs. "ray": on resident Ray actors (`[ray]` section,
+    `tasks.stages.ray_workers`), which keep the backbone and scorer loaded across stages and
+    iterations; the rows are the same either way."""
+
+    unpinned: ClassVar[tuple[str, ...]] = ("threads", "executor")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="the run id")
     seed: int = Field(0, ge=0)
     threads: int | None = Field(None, ge=1, description="torch threads; None = torch's default")
+    executor: Literal["local", "ray"] = "local"
 
 
 class BackboneSection(Section):
@@ -351,3 +357,34 @@ class EvalSection(Section):
     guidance_scale: float = Field(4.0, ge=1.0)
     max_prompts: int | None = Field(None, ge=1, description="first N prompts of each split")
     seed_offset: int = Field(0, ge=0, description="first image index of each prompt's seeds")
+
+
+class RaySection(Section):
+    """The Ray executor (`run.executor = "ray"`; read by nothing else). `address`: "" starts a
+    local cluster in the flow's process, anything else is passed to `ray.init` (e.g. "auto" or
+    "ray://head:10001") to join a running one. `rollout_workers` resident policy actors split each
+    rollout's prompt groups between them; the first `train_workers` of them train (one: data
+    parallelism across actors is not implemented yet). `scorer_workers` resident scorer actors
+    split the samples to score. `num_gpus` / `num_cpus`: what each policy actor reserves,
+    `scorer_num_gpus` / `scorer_num_cpus` each scorer actor (fractions share a device). Nothing
+    here changes a result, so the whole section is unpinned."""
+
+    address: str = Field("", description='"" starts a local cluster; else ray.init(address)')
+    rollout_workers: int = Field(2, ge=1, description="policy actors that roll out")
+    train_workers: int = Field(1, ge=1, description="policy actors that train (first ones)")
+    scorer_workers: int = Field(1, ge=1, description="scorer actors")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs per policy actor")
+    num_cpus: float = Field(1.0, gt=0.0, description="CPUs per policy actor")
+    scorer_num_gpus: float = Field(0.0, ge=0.0, description="GPUs per scorer actor")
+    scorer_num_cpus: float = Field(1.0, gt=0.0, description="CPUs per scorer actor")
+
+    @model_validator(mode="after")
+    def _workers(self) -> RaySection:
+        if self.train_workers > self.rollout_workers:
+            raise ValueError(f"ray.train_workers ({self.train_workers}) exceeds "
+                             f"ray.rollout_workers ({self.rollout_workers}): training runs on "
+                             f"the first policy actors, so set train_workers <= rollout_workers")
+        if self.train_workers != 1:
+            raise ValueError(f"ray.train_workers = {self.train_workers}: data-parallel training "
+                             f"across actors is not implemented yet; set train_workers = 1")
+        return self

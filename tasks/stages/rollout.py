@@ -15,6 +15,10 @@ steps` safetensors {x0, latents, next_latents, log_probs, t, t_next} with sample
 `images` safetensors uint8 [N, 3, H, W] (row `blob_index` of each rollouts row), and a PNG contact
 sheet (one row per prompt). A progress bar counts the denoising steps (`tasks.stages.progress`).
 
+Sampling (`sample_groups`) and writing (`write_rollout`) are apart: with the Ray executor the
+prompt groups are sampled in shards by resident policy actors (`tasks.stages.ray_workers`) and the
+stage writes their concatenation, the same rows and blobs as one process's.
+
 Cached on the policy hash, the window row, the chosen prompts and the sampling section.
 """
 
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from cast_core.rollout import RolloutSpec, rollout
+from cast_core.rollout import Rollout, RolloutSpec, rollout
 from cast_core.window import SdeWindow
 from tasks.stages.calibrate_window import read_window
 from tasks.stages.guard import stage_task
@@ -36,6 +42,9 @@ from tasks.stages.progress import stage_progress
 from tasks.stages.recipe import Recipe
 from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
+
+if TYPE_CHECKING:
+    from tasks.stages.ray_workers import Workers
 
 STAGE = "rollout"
 
@@ -127,43 +136,71 @@ def cache_key(store: Store, recipe: Recipe, csgs: StageRef, window: StageRef,
                      "csgs": csgs.content_hash})
 
 
-def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRef,
-                   iteration: int) -> StageRef:
+@dataclass(frozen=True)
+class Sampled:
+    """A rollout's samples, prompt-major: the window steps and the images uint8 [N, 3, H, W]."""
+
+    rollout: Rollout
+    images: torch.Tensor
+
+
+def sample_groups(backbone, recipe: Recipe, spec: RolloutSpec, picks: list[dict],
+                  iteration: int) -> Sampled:
+    """The G samples of each picked prompt with the loaded policy; every draw is seeded from
+    (run seed, iteration, prompt id, sample index), so any split of `picks` gives the same rows."""
+    g, chunk = recipe.prompts.group_size, recipe.sampling.chunk_size
+    prompts = [p["prompt"] for p in picks for _ in range(g)]
+    seeds, noise_seeds = group_seeds(recipe, picks, iteration)
+    with stage_progress(-(-len(prompts) // chunk) * spec.num_steps,
+                        f"rollout {iteration} ({len(prompts)} samples)") as advance:
+        result = rollout(backbone, prompts, seeds, spec, chunk_size=chunk,
+                         noise_seeds=noise_seeds, progress=advance)
+    return Sampled(result, decode_uint8(backbone, result.x0, chunk))  # images [N, 3, H, W]
+
+
+def write_rollout(store: Store, recipe: Recipe, picks: list[dict], policy_hash: str,
+                  spec: RolloutSpec, sampled: Sampled, iteration: int) -> list:
+    """The stage's blobs and `rollouts` part for the samples of `picks` (prompt-major)."""
     run_id, g = recipe.run.name, recipe.prompts.group_size
+    result, images = sampled.rollout, sampled.images
+    seeds, _ = group_seeds(recipe, picks, iteration)
+    steps = store.put_tensors({"x0": result.x0, "latents": result.latents,
+                               "next_latents": result.next_latents,
+                               "log_probs": result.log_probs, "t": result.t,
+                               "t_next": result.t_next})
+    image_blob = store.put_tensors({"images": images})
+    sheet = store.put_blob(contact_sheet(images, g), "png")
+    rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": picks[i // g]["prompt_id"],
+             "sample_index": i % g, "seed": seeds[i], "policy_hash": policy_hash,
+             "blob_index": i, "image_path": image_blob.path,
+             "image_hash": hashlib.sha256(images[i].numpy().tobytes()).hexdigest(),
+             "latents_path": steps.path, "latents_hash": steps.sha256,
+             "window_start": spec.window.start, "window_end": spec.window.end,
+             "num_steps": spec.num_steps} for i in range(len(seeds))]
+    table = store.write_table("rollouts", rows, f"{run_id}-{iteration:05d}")
+    return [steps, image_blob, sheet, table]
+
+
+def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRef,
+                   iteration: int, workers: Workers | None = None) -> StageRef:
+    """The stage; with `workers` (the Ray executor) the prompt groups are sampled by its
+    resident policy actors, in shards, and written here once every shard has finished."""
 
     def body():
-        set_threads(recipe)
         policy = policy_for(store, recipe, iteration)
-        backbone, _ = load_policy_of(store, recipe, policy)
         window_row = read_window(store, window)
         spec = rollout_spec(recipe, window_row)
         picks = select_prompts(store, recipe, csgs, iteration)
-        prompts = [p["prompt"] for p in picks for _ in range(g)]
-        seeds, noise_seeds = group_seeds(recipe, picks, iteration)
-        chunk = recipe.sampling.chunk_size
-        with stage_progress(-(-len(prompts) // chunk) * spec.num_steps,
-                            f"rollout {iteration} ({len(prompts)} samples)") as advance:
-            result = rollout(backbone, prompts, seeds, spec, chunk_size=chunk,
-                             noise_seeds=noise_seeds, progress=advance)
-        images = decode_uint8(backbone, result.x0, recipe.sampling.chunk_size)  # [N, 3, H, W]
-        steps = store.put_tensors({"x0": result.x0, "latents": result.latents,
-                                   "next_latents": result.next_latents,
-                                   "log_probs": result.log_probs, "t": result.t,
-                                   "t_next": result.t_next})
-        image_blob = store.put_tensors({"images": images})
-        sheet = store.put_blob(contact_sheet(images, g), "png")
-        rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": picks[i // g]["prompt_id"],
-                 "sample_index": i % g, "seed": seeds[i], "policy_hash": policy.policy_hash,
-                 "blob_index": i, "image_path": image_blob.path,
-                 "image_hash": hashlib.sha256(images[i].numpy().tobytes()).hexdigest(),
-                 "latents_path": steps.path, "latents_hash": steps.sha256,
-                 "window_start": spec.window.start, "window_end": spec.window.end,
-                 "num_steps": spec.num_steps} for i in range(len(prompts))]
-        table = store.write_table("rollouts", rows, f"{run_id}-{iteration:05d}")
-        return [steps, image_blob, sheet, table]
+        if workers is None:
+            set_threads(recipe)
+            backbone, _ = load_policy_of(store, recipe, policy)
+            sampled = sample_groups(backbone, recipe, spec, picks, iteration)
+        else:
+            sampled = workers.rollout(store, recipe, policy, window_row, picks, iteration)
+        return write_rollout(store, recipe, picks, policy.policy_hash, spec, sampled, iteration)
 
     key = cache_key(store, recipe, csgs, window, iteration)
-    return run_stage(store, run_id, iteration, STAGE, key, body)
+    return run_stage(store, recipe.run.name, iteration, STAGE, key, body)
 
 
 rollout_task = stage_task(rollout_groups, STAGE, cache_key)

@@ -4,10 +4,15 @@ row-major float list with its H and W). The scorer sees the stored uint8 images 
 [0, 1] on the CPU, `sampling.chunk_size` images per call.
 
 The CSG of each sample comes from this run's `csgs` rows; images from the rollout's images blob.
+With the Ray executor the samples are split between resident scorer actors
+(`tasks.stages.ray_workers`), each with all its atoms (a scorer takes whole images).
+
 Cached on the rollout's content hash (which covers every image hash), the CSGs and the scorer id.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +23,9 @@ from tasks.stages.models import Scorer, scorer, scorer_id, set_threads
 from tasks.stages.recipe import Recipe
 from tasks.store.stage import StageRef, make_key, run_stage
 from tasks.store.store import Store
+
+if TYPE_CHECKING:
+    from tasks.stages.ray_workers import Workers
 
 STAGE = "score_atoms"
 
@@ -71,19 +79,31 @@ def cache_key(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef) 
                     {"rollouts": rollouts.content_hash, "csgs": csgs.content_hash})
 
 
+def score_rows(store: Store, score: Scorer, rows: list[dict], graphs: list[SceneGraph],
+               chunk_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`score` on the stored images of rollout `rows` (all from one images blob) with their
+    graphs, `chunk_size` images a call; results in row order."""
+    images = store.get_tensors(rows[0]["image_path"])["images"]  # uint8 [N, 3, H, W]
+    images = images[[r["blob_index"] for r in rows]].float() / 255.0
+    return score_in_chunks(score, images, graphs, chunk_size)
+
+
 def score_atoms(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef,
-                iteration: int) -> StageRef:
+                iteration: int, workers: Workers | None = None) -> StageRef:
+    """The stage; with `workers` (the Ray executor) the samples are scored in shards by its
+    resident scorer actors, and the rows written here once every shard has finished."""
     run_id = recipe.run.name
 
     def body():
-        set_threads(recipe)
-        scorer_id, score = scorer(recipe)
         rows = load_rollout_rows(store, rollouts)
         graph_json = load_graphs(store, csgs)
         graphs = [SceneGraph.from_json(graph_json[r["prompt_id"]]) for r in rows]
-        images = store.get_tensors(rows[0]["image_path"])["images"]  # uint8 [N, 3, H, W]
-        images = images[[r["blob_index"] for r in rows]].float() / 255.0
-        results = score_in_chunks(score, images, graphs, recipe.sampling.chunk_size)
+        if workers is None:
+            set_threads(recipe)
+            scorer_id, score = scorer(recipe)
+            results = score_rows(store, score, rows, graphs, recipe.sampling.chunk_size)
+        else:
+            scorer_id, results = workers.score(store, recipe, rows, graphs)
         out = atom_score_rows({"run_id": run_id, "iteration": iteration}, rows, graphs, results,
                               scorer_id)
         return [store.write_table("atom_scores", out, f"{run_id}-{iteration:05d}")]

@@ -45,7 +45,9 @@ Read -> compute -> write: the stage body reads the update's inputs (`read_batch`
 steps, advantages) and the iteration's statistics from the stored rows (`iteration_stats`: the
 mean score per atom type, the zero-variance fraction, the alarm), trains the loaded policy
 (`train_policy`) and builds the rows from what came back (`train_step_rows`, `checkpoint_row`).
-`iteration_stats`, `train_step_rows` and `checkpoint_row` are tested on plain inputs. The mean
+`iteration_stats`, `train_step_rows` and `checkpoint_row` are tested on plain inputs. The
+training and its writes (`train_and_write`) take the loaded policy, so the Ray executor runs them
+on a resident policy actor (`tasks.stages.ray_workers`). The mean
 score per atom type and the rollout images' high-frequency energy are computed here, from the
 stored atom scores and images: no earlier stage's table has a column for them.
 """
@@ -56,6 +58,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 import torch
@@ -88,6 +91,9 @@ from tasks.stages.train_update import (
 from tasks.store.records import BlobRef
 from tasks.store.stage import StageRef, make_key, run_stage
 from tasks.store.store import Store
+
+if TYPE_CHECKING:
+    from tasks.stages.ray_workers import Workers
 
 STAGE = "train_epoch"
 
@@ -303,41 +309,62 @@ def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef
                      "gains": gains.content_hash if gains is not None else ""})
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What `train_and_write` wrote (the stage's outputs) and the trained policy's hash."""
+
+    refs: list
+    policy_hash: str
+
+
+def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: PolicyState,
+                    csgs: StageRef, rollouts: StageRef, scores: StageRef, advantages: StageRef,
+                    iteration: int, gains: StageRef | None = None) -> Trained:
+    """Train the loaded `policy` (backbone and its LoRA `params`) on the iteration and write the
+    stage's outputs; the caller records completion."""
+    run_id = recipe.run.name
+    set_threads(recipe)
+    lr = iteration_lr(recipe, policy)
+    optimizer = _optimizer(store, recipe, params, policy.optimizer_path, lr)
+    rows = load_rollout_rows(store, rollouts)
+    device = next(backbone.transformer.parameters()).device
+    batch = read_batch(store, recipe, rows, csgs, advantages, gains, device)
+    stats = read_stats(store, scores, advantages, recipe.advantage.std_floor)
+    hf_energy = _rollout_hf_energy(store, rows)
+    seconds = _stage_seconds(store, run_id, iteration)
+    outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr)
+    _warn(outcome, stats, recipe, batch, iteration)
+    keys, part = {"run_id": run_id, "iteration": iteration}, f"{run_id}-{iteration:05d}"
+    shared = {**stats.rewards, "zero_variance_fraction": stats.zero_variance_fraction,
+              "stage_seconds_json": seconds, "reward_step_weights_json": batch.weights_json}
+    nft = nft_config(recipe) if recipe.train.objective == "nft" else None
+    steps = train_step_rows(keys, outcome.updates, outcome.first_step, shared, nft,
+                            float(batch.advantages.abs().mean()))
+    lora = store.put_tensors(outcome.lora)
+    opt = store.put_tensors(outcome.optimizer_state,
+                            metadata={"param_groups": outcome.param_groups})
+    checkpoint = checkpoint_row(keys, lora, opt, base_hash(recipe), recipe.train, outcome,
+                                hf_energy, stats.alarm, lr)
+    return Trained([store.write_table("train_steps", steps, part), lora, opt,
+                    store.write_table("checkpoints", [checkpoint], part)], lora.sha256)
+
+
 def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef,
                 scores: StageRef, advantages: StageRef, iteration: int,
-                gains: StageRef | None = None) -> StageRef:
-    run_id = recipe.run.name
+                gains: StageRef | None = None, workers: Workers | None = None) -> StageRef:
+    """The stage; with `workers` (the Ray executor) it trains on a resident policy actor, which
+    keeps the trained policy for the next iteration's rollout."""
+    inputs = (csgs, rollouts, scores, advantages, iteration, gains)
 
     def body():
-        set_threads(recipe)
         policy = policy_for(store, recipe, iteration)
+        if workers is not None:
+            return workers.train(store, recipe, policy, *inputs).refs
         backbone, params = load_policy_of(store, recipe, policy)
-        lr = iteration_lr(recipe, policy)
-        optimizer = _optimizer(store, recipe, params, policy.optimizer_path, lr)
-        rows = load_rollout_rows(store, rollouts)
-        device = next(backbone.transformer.parameters()).device
-        batch = read_batch(store, recipe, rows, csgs, advantages, gains, device)
-        stats = read_stats(store, scores, advantages, recipe.advantage.std_floor)
-        hf_energy = _rollout_hf_energy(store, rows)
-        seconds = _stage_seconds(store, run_id, iteration)
-        outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr)
-        _warn(outcome, stats, recipe, batch, iteration)
-        keys, part = {"run_id": run_id, "iteration": iteration}, f"{run_id}-{iteration:05d}"
-        shared = {**stats.rewards, "zero_variance_fraction": stats.zero_variance_fraction,
-                  "stage_seconds_json": seconds, "reward_step_weights_json": batch.weights_json}
-        nft = nft_config(recipe) if recipe.train.objective == "nft" else None
-        steps = train_step_rows(keys, outcome.updates, outcome.first_step, shared, nft,
-                                float(batch.advantages.abs().mean()))
-        lora = store.put_tensors(outcome.lora)
-        opt = store.put_tensors(outcome.optimizer_state,
-                                metadata={"param_groups": outcome.param_groups})
-        checkpoint = checkpoint_row(keys, lora, opt, base_hash(recipe), recipe.train, outcome,
-                                    hf_energy, stats.alarm, lr)
-        return [store.write_table("train_steps", steps, part), lora, opt,
-                store.write_table("checkpoints", [checkpoint], part)]
+        return train_and_write(store, recipe, backbone, params, policy, *inputs).refs
 
     key = cache_key(store, recipe, rollouts, scores, advantages, iteration, gains)
-    return run_stage(store, run_id, iteration, STAGE, key, body)
+    return run_stage(store, recipe.run.name, iteration, STAGE, key, body)
 
 
 train_epoch_task = stage_task(train_epoch, STAGE, cache_key)

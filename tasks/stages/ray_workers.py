@@ -1,0 +1,228 @@
+"""The Ray executor (`run.executor = "ray"`): resident policy and scorer actors that the stage
+bodies call, and the shards they split a stage into.
+
+Policy actors (`PolicyWorker`, `ray.rollout_workers` of them) each hold a `ResidentPolicy`: the
+backbone is loaded once and kept, with the current LoRA, across stages and iterations; only the
+adapter's weights are swapped when the policy hash changes. A rollout splits the iteration's
+prompt groups into contiguous shards, one an actor; each shard's samples (window steps and
+images) are written through the store as one content-addressed blob, and the stage reads them
+back in shard order and writes the same blobs and rows as one process would (seeds derive from
+(run seed, iteration, prompt id, sample index), never from a position in a batch). The training
+runs on the first policy actor, which then holds the trained policy, so the next rollout on it
+reloads nothing. Scorer actors (`ScorerWorker`) hold the recipe's scorer; the samples to score are
+split between them, each with all its atoms, and each actor reads its images from the store. The
+stage's completion record is written by `run_stage` after the body returns, so after every shard
+has finished. A remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on
+other machines: the scorer actors then call it.
+
+Scheduling is Ray's: actors are placed by the resources they reserve (`[ray]` section), named
+per run (`<run>-policy-<i>`, `<run>-scorer-<i>` in namespace "cast", so a later flow run on the
+same cluster finds them loaded), and restarted by Ray when their process dies, the call in flight
+retried on the new process (`max_restarts`, `max_task_retries`): a shard is redone whole, and its
+blob, content-addressed, is written once whatever the tries. The stages stay plain functions;
+Prefect's task runner is not involved (docs/design.md, "The Ray executor", says why).
+
+Ray is imported inside the functions that need it: the local executor never imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cast_core.csg.graph import SceneGraph
+from cast_core.rollout import Rollout
+from tasks.stages.models import scorer, set_threads
+from tasks.stages.policy_state import PolicyState
+from tasks.stages.recipe import Recipe
+from tasks.stages.resident import Loads, ResidentPolicy
+from tasks.stages.rollout import Sampled, rollout_spec, sample_groups
+from tasks.stages.score_atoms import score_rows
+from tasks.stages.train_epoch import Trained, train_and_write
+from tasks.store.records import BlobRef
+from tasks.store.store import Store
+
+NAMESPACE = "cast"
+RETRIES = 2  # restarts of a dead actor, and tries of the call it had in flight
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # this file is tasks/stages/ray_workers.py
+_ROLLOUT_KEYS = ("x0", "latents", "next_latents", "log_probs")  # per sample; t, t_next shared
+
+
+class PolicyWorker:
+    """A policy actor's state and calls (made a Ray actor by `connect`)."""
+
+    def __init__(self) -> None:
+        self.resident = ResidentPolicy()
+
+    def rollout_shard(self, root: str, recipe: Recipe, policy: PolicyState, window_row: dict,
+                      picks: list[dict], iteration: int) -> BlobRef:
+        """Sample the groups of `picks` -> the blob of their window steps and images."""
+        store = Store(root)
+        set_threads(recipe)
+        backbone, _ = self.resident.get(store, recipe, policy)
+        sampled = sample_groups(backbone, recipe, rollout_spec(recipe, window_row), picks,
+                                iteration)
+        r = sampled.rollout
+        return store.put_tensors({"x0": r.x0, "latents": r.latents,
+                                  "next_latents": r.next_latents, "log_probs": r.log_probs,
+                                  "t": r.t, "t_next": r.t_next, "images": sampled.images})
+
+    def train(self, root: str, recipe: Recipe, policy: PolicyState, *inputs: Any) -> Trained:
+        """`train_epoch.train_and_write` on the held policy; the actor then holds the trained one."""
+        store = Store(root)
+        backbone, params = self.resident.get(store, recipe, policy)
+        try:
+            trained = train_and_write(store, recipe, backbone, params, policy, *inputs)
+        except BaseException:
+            self.resident.forget()
+            raise
+        self.resident.trained(trained.policy_hash)
+        return trained
+
+    def loads(self) -> Loads:
+        return self.resident.loads
+
+
+class ScorerWorker:
+    """A scorer actor's state and calls: the recipe's scorer, loaded once per scorer section."""
+
+    def __init__(self) -> None:
+        self._section: str | None = None
+        self._scorer: tuple[str, Any] | None = None
+        self.load_count = 0
+
+    def score_shard(self, root: str, recipe: Recipe, rows: list[dict],
+                    graphs: list[SceneGraph]) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
+        """(scorer id, each row's (scores [A], heatmaps [A, h, w])) for rollout `rows`."""
+        set_threads(recipe)
+        section = recipe.scorer.model_dump_json()
+        if section != self._section:
+            self._scorer, self._section = scorer(recipe), section
+            self.load_count += 1
+        scorer_id, score = self._scorer
+        return scorer_id, score_rows(Store(root), score, rows, graphs, recipe.sampling.chunk_size)
+
+    def loads(self) -> int:
+        return self.load_count
+
+
+def shards(items: Sequence, n: int) -> list[list]:
+    """`items` in n contiguous parts whose sizes differ by at most one (empty ones dropped)."""
+    parts = [list(items[i * len(items) // n:(i + 1) * len(items) // n]) for i in range(n)]
+    return [p for p in parts if p]
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Handles of the run's resident actors; what the stages call with the Ray executor."""
+
+    policy: tuple
+    scorers: tuple
+
+    def rollout(self, store: Store, recipe: Recipe, policy: PolicyState, window_row: dict,
+                picks: list[dict], iteration: int) -> Sampled:
+        """The groups of `picks` sampled in shards -> their samples, prompt-major."""
+        import ray
+
+        calls = [actor.rollout_shard.remote(str(store.root), recipe, policy, window_row, part,
+                                            iteration)
+                 for actor, part in zip(self.policy, shards(picks, len(self.policy)))]
+        return _gather(store, ray.get(calls))
+
+    def score(self, store: Store, recipe: Recipe, rows: list[dict], graphs: list[SceneGraph]
+              ) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
+        """(scorer id, results in row order) from the rows scored in shards."""
+        import ray
+
+        index = shards(range(len(rows)), len(self.scorers))
+        calls = [actor.score_shard.remote(str(store.root), recipe, [rows[i] for i in part],
+                                          [graphs[i] for i in part])
+                 for actor, part in zip(self.scorers, index)]
+        answers = ray.get(calls)
+        ids = {scorer_id for scorer_id, _ in answers}
+        if len(ids) != 1:
+            raise RuntimeError(f"the scorer actors answered with different scorer ids {ids}; "
+                               f"they must load the same scorer")
+        return ids.pop(), [result for _, results in answers for result in results]
+
+    def train(self, store: Store, recipe: Recipe, policy: PolicyState, *inputs: Any) -> Trained:
+        """The iteration's training on the first policy actor."""
+        import ray
+
+        return ray.get(self.policy[0].train.remote(str(store.root), recipe, policy, *inputs))
+
+    def loads(self) -> dict[str, list]:
+        """Each actor's load counts: {"policy": [Loads], "scorer": [int]}."""
+        import ray
+
+        return {"policy": ray.get([a.loads.remote() for a in self.policy]),
+                "scorer": ray.get([a.loads.remote() for a in self.scorers])}
+
+    def release(self) -> None:
+        """End the actors (they are otherwise kept, loaded, for the run's next flow call)."""
+        import ray
+
+        for actor in (*self.policy, *self.scorers):
+            ray.kill(actor, no_restart=True)
+
+
+def _gather(store: Store, parts: list[BlobRef]) -> Sampled:
+    """The shards' blobs read back in shard order and concatenated; the shard blobs, now in the
+    stage's own blobs, are removed."""
+    loaded = [store.get_tensors(p) for p in parts]
+    rollout = Rollout(**{k: torch.cat([t[k] for t in loaded]) for k in _ROLLOUT_KEYS},
+                      t=loaded[0]["t"], t_next=loaded[0]["t_next"])
+    images = torch.cat([t["images"] for t in loaded])  # uint8 [N, 3, H, W]
+    for part in parts:
+        store.resolve(part.path).unlink(missing_ok=True)
+    return Sampled(rollout, images)
+
+
+def connect(recipe: Recipe) -> Workers:
+    """Join (or start, `ray.address = ""`) the cluster and get the run's actors, creating the
+    ones not running yet; an error when the cluster cannot hold what the recipe reserves."""
+    import ray
+
+    r = recipe.ray
+    if not ray.is_initialized():
+        ray.init(address=r.address or None, namespace=NAMESPACE)
+    _check_capacity(recipe, ray.cluster_resources())
+    env = {"env_vars": {"PYTHONPATH": str(_REPO_ROOT)}}  # the driver's code, on a shared disk
+    options = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached",
+               "max_restarts": RETRIES, "max_task_retries": RETRIES, "runtime_env": env}
+    policy = ray.remote(PolicyWorker)
+    score = ray.remote(ScorerWorker)
+    run = recipe.run.name
+    return Workers(
+        tuple(policy.options(name=f"{run}-policy-{i}", num_gpus=r.num_gpus,
+                             num_cpus=r.num_cpus, **options).remote()
+              for i in range(r.rollout_workers)),
+        tuple(score.options(name=f"{run}-scorer-{i}", num_gpus=r.scorer_num_gpus,
+                            num_cpus=r.scorer_num_cpus, **options).remote()
+              for i in range(r.scorer_workers)))
+
+
+def _check_capacity(recipe: Recipe, cluster: dict[str, float]) -> None:
+    r = recipe.ray
+    for resource, per_policy, per_scorer, field in (
+            ("CPU", r.num_cpus, r.scorer_num_cpus, "num_cpus"),
+            ("GPU", r.num_gpus, r.scorer_num_gpus, "num_gpus")):
+        wanted = r.rollout_workers * per_policy + r.scorer_workers * per_scorer
+        if wanted > cluster.get(resource, 0.0) + 1e-9:
+            raise RuntimeError(
+                f"the recipe's actors reserve {wanted:g} {resource} ({r.rollout_workers} x "
+                f"ray.{field} + {r.scorer_workers} x ray.scorer_{field}) but the Ray cluster has "
+                f"{cluster.get(resource, 0.0):g}; they would wait forever: lower the workers or "
+                f"their resources, or add nodes")
+
+
+@contextmanager
+def executor(recipe: Recipe) -> Iterator[Workers | None]:
+    """What the stages compute on: None for `run.executor = "local"`, else the run's actors."""
+    yield connect(recipe) if recipe.run.executor == "ray" else None

@@ -1,0 +1,129 @@
+"""The Ray executor on a local cluster of two CPUs: sharded rollouts and scores give the same
+rows and blobs as one process, the training the same LoRA, and the resident actors load the
+backbone once across stages and iterations, swapping only the LoRA when the policy changes.
+
+Slow: starting the cluster and its actors' processes costs tens of seconds on two cores."""
+
+import pytest
+import torch
+
+from tasks.stages.iteration import plain_stages, run_iteration, run_setup
+from tasks.stages.ray_workers import executor, shards
+from tasks.store.store import Store
+from tests.pipeline_helpers import ci_recipe, reference
+
+ray = pytest.importorskip("ray")
+
+# two policy and two scorer actors share the cluster's two CPUs
+RAY = {"run.executor": "ray", "ray.rollout_workers": 2, "ray.num_cpus": 0.5,
+       "ray.scorer_workers": 2, "ray.scorer_num_cpus": 0.5}
+
+
+def test_shards_are_contiguous_and_near_equal():
+    assert shards(list(range(5)), 2) == [[0, 1], [2, 3, 4]]
+    assert shards(list(range(2)), 3) == [[0], [1]]
+    assert [i for part in shards(list(range(17)), 4) for i in part] == list(range(17))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, namespace="cast", include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_run(cluster, tmp_path_factory):
+    """Iterations 0 and 1 of the CI run on the actors -> (store, recipe, refs of 0, loads after
+    0, loads after 1)."""
+    _, _, prompts, _ = reference(tmp_path_factory)
+    recipe = ci_recipe(prompts, **RAY)
+    store = Store(tmp_path_factory.mktemp("ray") / "store")
+    stages = plain_stages()
+    with executor(recipe) as workers:
+        setup = run_setup(stages, store, recipe)
+        refs = run_iteration(stages, store, recipe, setup, 0, workers=workers)
+        first = workers.loads()
+        run_iteration(stages, store, recipe, setup, 1, workers=workers)
+        second = workers.loads()
+        workers.release()
+    return store, recipe, refs, first, second
+
+
+def _rows(store: Store, ref, table: str) -> list[dict]:
+    return store.read_output(ref, table).to_pylist()
+
+
+@pytest.mark.slow
+def test_sharded_stages_write_the_single_process_outputs(ray_run, tmp_path_factory):
+    local_store, _, _, local = reference(tmp_path_factory)
+    store, _, refs, _, _ = ray_run
+    for stage, table in (("rollout", "rollouts"), ("score_atoms", "atom_scores"),
+                         ("compute_advantages", "advantages")):
+        assert _rows(store, refs[stage], table) == _rows(local_store, local[stage], table), stage
+        assert refs[stage].content_hash == local[stage].content_hash, stage  # blobs too
+    assert (_rows(store, refs["train_epoch"], "checkpoints")
+            == _rows(local_store, local["train_epoch"], "checkpoints"))
+    steps = [_rows(s, r["train_epoch"], "train_steps") for s, r in ((store, refs),
+                                                                    (local_store, local))]
+    for row in steps[0] + steps[1]:
+        del row["stage_seconds_json"]  # wall times
+    assert steps[0] == steps[1]
+    lora = store.get_tensors(_rows(store, refs["train_epoch"], "checkpoints")[0]["lora_path"])
+    want = local_store.get_tensors(
+        _rows(local_store, local["train_epoch"], "checkpoints")[0]["lora_path"])
+    assert all(torch.equal(lora[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_shard_blobs_are_gathered_and_removed(ray_run):
+    store, _, refs, _, _ = ray_run
+    recorded = {p for record in store.stage_records() for p in record.paths}
+    stored = {p.relative_to(store.root).as_posix() for p in (store.root / "blobs").rglob("*.*")}
+    assert stored == {p for p in recorded if p.startswith("blobs/")}  # no shard blob left
+    assert set(refs["rollout"].paths) <= recorded
+
+
+@pytest.mark.slow
+def test_no_reload_between_stages_or_iterations(ray_run):
+    _, _, _, first, second = ray_run
+    # iteration 0: each policy actor reads the backbone once; the trainer (actor 0) trains the
+    # policy it rolled out with, so nothing is reloaded between the rollout and the training
+    assert [(n.backbone, n.lora) for n in first["policy"]] == [(1, 0), (1, 0)]
+    # iteration 1: actor 0 holds the trained policy already; actor 1 swaps in its LoRA only
+    assert [(n.backbone, n.lora) for n in second["policy"]] == [(1, 0), (1, 1)]
+    assert first["scorer"] == second["scorer"] == [1, 1]
+
+
+@pytest.mark.slow
+def test_a_killed_actors_shard_is_redone(ray_run, tmp_path_factory):
+    """SIGKILL a policy actor while its shard samples: Ray restarts it and retries the shard,
+    and the stage writes the single-process rows and blobs, with no shard blob left over."""
+    import os
+    import signal
+    import threading
+    import time
+
+    local_store, _, _, local = reference(tmp_path_factory)
+    _, recipe, _, _, _ = ray_run
+    store = Store(tmp_path_factory.mktemp("ray-fault") / "store")
+    stages = plain_stages()
+    setup = run_setup(stages, store, recipe)
+    with executor(recipe) as workers:
+        victim = workers.policy[1]
+        pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+        got = {}
+        call = threading.Thread(target=lambda: got.update(ref=stages.rollout(
+            store, recipe, setup["build_csgs"], setup["calibrate_window"], 0, workers=workers)))
+        call.start()
+        time.sleep(1.0)  # the fresh actor is loading the backbone or sampling its shard
+        os.kill(pid, signal.SIGKILL)
+        call.join(timeout=300)
+        restarted = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+        workers.release()
+    assert restarted != pid
+    assert _rows(store, got["ref"], "rollouts") == _rows(local_store, local["rollout"], "rollouts")
+    assert got["ref"].content_hash == local["rollout"].content_hash
+    recorded = {p for record in store.stage_records() for p in record.paths}
+    stored = {p.relative_to(store.root).as_posix() for p in (store.root / "blobs").rglob("*.*")}
+    assert stored == {p for p in recorded if p.startswith("blobs/")}
