@@ -14,8 +14,11 @@ Sets:
   written before the fifth round, which guided the sixth) and
   tests/data/compositional_heldout6.jsonl (331 prompts written before the sixth round, which guided
   the seventh) and tests/data/compositional_heldout7.jsonl (375 prompts written before the seventh
-  round and not tuned to afterwards), each with its intended graph; a line marked "refuse" is one its writer judged
-  ambiguous or beyond the offline grammar, so a refusal of it is right (counted apart);
+  round, which guided the eighth) and tests/data/compositional_heldout8.jsonl (332 prompts written
+  before the eighth round, which guided the ninth) and tests/data/compositional_heldout9.jsonl
+  (361 prompts written before the ninth round and not tuned to afterwards), each with its intended
+  graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline grammar,
+  so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
   JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
@@ -56,7 +59,8 @@ def shape(graph) -> tuple[list, list]:
 HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout3.jsonl", "compositional_heldout4.jsonl",
             "compositional_heldout5.jsonl", "compositional_heldout6.jsonl",
-            "compositional_heldout7.jsonl", "compositional_heldout8.jsonl")
+            "compositional_heldout7.jsonl", "compositional_heldout8.jsonl",
+            "compositional_heldout9.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:

@@ -451,6 +451,7 @@ LABEL_DIFFERENCES = {
     "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg"],
     "compositional_heldout7.jsonl": [],
     "compositional_heldout8.jsonl": [],
+    "compositional_heldout9.jsonl": [],
 }
 
 
