@@ -302,12 +302,14 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
 
 def _in_reading(span: list[str]) -> str | None:
     """"wearing" when the noun phrase after "in" is a garment ("a yellow raincoat"),
-    "containment" when it is a container ("a wicker basket", "a fish tank"), else None."""
+    "containment" when it is a container ("a wicker basket", "a fish tank", "a rocking chair":
+    its last word or a listed two-word noun), else None."""
     words = span[:span.index("of")] if "of" in span else span
     head = singularize(words[-1]) if words else ""
     if head in GARMENTS:
         return "wearing"
-    return "containment" if head in CONTAINERS else None
+    pair = singularize(" ".join(words[-2:])) if len(words) > 1 else ""
+    return "containment" if head in CONTAINERS or pair in CONTAINERS else None
 
 
 def open_joins(spans: list[list[str]], ops: list[str | Relation]) -> list[int]:

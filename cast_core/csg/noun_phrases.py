@@ -14,7 +14,12 @@ from itertools import pairwise
 from cast_core.csg.build import LLM_HINT, NounPhrase, fail
 from cast_core.csg.clauses import Relation
 from cast_core.csg.references import Reading, antecedent, unnamed
-from cast_core.csg.refusals import no_split_reason, unsupported_construct
+from cast_core.csg.refusals import (
+    PICTURE_PLACES,
+    count_reason,
+    no_split_reason,
+    unsupported_construct,
+)
 from cast_core.csg.vocab import (
     AMBIGUOUS_COMPOUND_NOUNS,
     AMBIGUOUS_KIND_WORDS,
@@ -47,6 +52,9 @@ def read_phrase(words: list[str], prompt: str, nouns: frozenset[str] | None, rol
     """The noun phrase of "(a|an|count|its|...) [attributes] noun", or, when `placed` (the object
     of a relation), of "[attributes] MASS-NOUN" ("in tall grass", "in shallow water": one)."""
     text = " ".join(words)
+    counted = count_reason(words) if words else None
+    if counted:
+        raise fail(prompt, f"{counted} (in noun phrase {text!r}); {LLM_HINT}")
     if placed and "" not in words and words[-1] in MASS_NOUNS and words[0] not in COUNT_WORDS:
         words = ["a", *words]
     if len(words) < 2 or "" in words:
@@ -87,6 +95,8 @@ def read_reference(words: list[str], phrases: list[NounPhrase], prompt: str,
     appended: "the bed" is one bed. A plural or invariant noun ("the
     dogs", "the sheep") says no count and stays an error."""
     text, rest = " ".join(words), words[1:]
+    if len(rest) == 1 and rest[0] in PICTURE_PLACES:
+        raise fail(prompt, f"{unsupported_construct(rest)}; {LLM_HINT}")
     _check_noun_words(rest, text, prompt, role)
     _check_ambiguous(rest, text, prompt, nouns)
     plural = singularize(" ".join(rest)) != " ".join(rest)

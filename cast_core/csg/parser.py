@@ -33,9 +33,10 @@ is X with Y, Y a new noun phrase of one unless X is already with one. A separato
 ... is|are" also starts a statement ("a cat next to a dog, the dog is brown"). "the" + a singular noun that no earlier noun
 phrase has is a new noun phrase of one after a relation ("a cat under the bed") and as the subject
 of a predication before any a/an or count noun phrase ("the cat is black"). "A and B next to each
-other" (near, close to) is one edge from A to B. A predication on a pronoun ("it is red", "they are
+other" (near, close to) is one edge from A to B; one more relation after it places both ("a dog
+and a cat near each other on a rug"). A predication on a pronoun ("it is red", "they are
 both brown", "each of them empty") names the one noun phrase of that number, or the one list,
-written before (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
+written before ("they are all" among several: the one that holds every other) (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
 a/an ("a dog with its red ball"), "a horse's back" (a part) as its owner, and a mass noun after a
 relation needs no article ("a tiger lying in tall grass"). Back-references and predications:
 `cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication
@@ -175,8 +176,8 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         construct = next(filter(None, (unsupported_construct(span) for span in spans)), None)
         raise fail(prompt, (f"{construct}; " if construct else "") + f"{err}; {LLM_HINT}") from err
     each_other = _each_other(spans, ops, prompt)
-    local = each_other or local
-    spans = spans[:-1] if each_other else spans
+    if each_other:
+        local, spans, ops = each_other
     roles, index = _roles(ops), []
     spans = [owner_span(span, prompt) for span in spans]
     check_possessives(spans, ops, prompt)
@@ -203,7 +204,9 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     _check_edges(local, spans, index, phrases, prompt)
     edges = [(index[i], relation, index[j]) for i, relation, j in local]
     if groups is not None:
-        groups += _lists(edges, index, bool(each_other))
+        # "A and B near each other [on C]": A and B are a list, as the subjects of "on" are
+        found = _lists(edges[1:] if each_other else edges, index)
+        groups += sorted({tuple(index[:2]), *found}) if each_other else found
     return edges
 
 
@@ -234,12 +237,11 @@ def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], inde
                                f"; {LLM_HINT}")
 
 
-def _lists(edges: list[tuple[int, str, int]], index: list[int],
-           each_other: bool) -> list[tuple[int, ...]]:
+def _lists(edges: list[tuple[int, str, int]], index: list[int]) -> list[tuple[int, ...]]:
     """The lists of two or more noun phrases a statement writes, which "they" may name: a bare
     list ("a dog and a cat"), the subjects of one relation ("a dog and a cat on a rug"), the
-    objects of one ("a cat next to a dog and a bird"), and "A and B next to each other"."""
-    if not edges or each_other:
+    objects of one ("a cat next to a dog and a bird")."""
+    if not edges:
         return [tuple(dict.fromkeys(index))] if len(set(index)) > 1 else []
     objects: dict[tuple[int, str], set[int]] = {}
     subjects: dict[tuple[str, int], set[int]] = {}
@@ -296,21 +298,35 @@ def _is_setting(span: list[str]) -> bool:
     return bool(words) and singularize(words[-1]) in SETTINGS
 
 
+EachOther = tuple[list[tuple[int, str, int]], list[list[str]], list[str | Relation]]
+
+
 def _each_other(spans: list[list[str]], ops: list[str | Relation],
-                prompt: str) -> list[tuple[int, str, int]] | None:
-    """The one edge of "A and B next to each other" (or "near", "close to": relations that hold
-    both ways), from A to B; None when "each other" is not written. Any other "each other" is an
-    error: after more than two noun phrases or another relation it is not one edge."""
+                prompt: str) -> EachOther | None:
+    """(edges, spans, ops) of "A and B next to each other" (or "near", "close to": relations that
+    hold both ways), one edge from A to B, and of what may follow it: one more relation and its
+    list, which places both ("a dog and a cat near each other on a rug": each is on the rug); the
+    spans and ops are the statement's without "each other" and its relation. None when "each
+    other" is not written. Any other "each other" is an error: after more than two noun phrases
+    or another relation it is not one edge."""
     if not any(span[:2] == ["each", "other"] for span in spans):
         return None
-    relation = ops[-1] if ops else None
-    fits = (spans[-1] == ["each", "other"] and len(spans) == 3 and ops[0] == SEP
-            and isinstance(relation, Relation) and relation.canonical in _BOTH_WAYS)
+    relation = ops[1] if len(ops) > 1 else None
+    after = ops[2:]
+    fits = (len(spans) > 2 and spans[2] == ["each", "other"] and ops[0] == SEP
+            and isinstance(relation, Relation) and relation.canonical in _BOTH_WAYS
+            and ["each", "other"] not in spans[3:]
+            and (not after or isinstance(after[0], Relation) and not after[0].also
+                 and after[0].canonical != "with"
+                 and not any(isinstance(op, Relation) for op in after[1:])))
     if not fits:
         raise fail(prompt, "'each other' is read only as 'A and B next to each other' (or "
                            "'near', 'close to' each other): two noun phrases and a relation that "
-                           f"holds both ways; {LLM_HINT}")
-    return [(0, relation.canonical, 1)]
+                           "holds both ways, then at most one more relation that places both ('a "
+                           f"dog and a cat near each other on a rug'); {LLM_HINT}")
+    rest = [[(s, after[0].canonical, k) for s in (0, 1)] for k in range(2, len(spans) - 1)]
+    edges = [(0, relation.canonical, 1), *(e for pair in rest for e in pair)]
+    return edges, [*spans[:2], *spans[3:]], [ops[0], *after]
 
 
 def _roles(ops: list[str | Relation]) -> list[str]:

@@ -82,11 +82,15 @@ def pronoun_targets(pronoun: str, quantifier: str | None, phrases: list[NounPhra
     written before ("five cookies on a plate; it is white"); "they" (also "both", "all of them",
     "each of them") the one noun phrase of two or more or the one list of noun phrases in
     `groups` ("three eggs in a bowl; they are brown", "a dog and a cat; they are both brown"),
-    "both" of two in all. ValueError naming them when there are none or several."""
+    "both" of two in all. "all" ("they are all", "all of them") among several names the one that
+    holds every other ("three red balls and two blue cubes; they are all small": the list).
+    ValueError naming them when there are none or several."""
     if pronoun == "it":
         found = [(i,) for i, p in enumerate(phrases) if p.count == 1]
     else:
         found = sorted({(i,) for i, p in enumerate(phrases) if p.count > 1} | set(groups))
+    whole = [g for g in found if all(set(other) <= set(g) for other in found)]
+    found = whole if quantifier == "all" and len(found) > 1 and whole else found
     shown = [" and ".join(_shown(phrases[i]) for i in group) for group in found]
     said = pronoun if quantifier is None else f"{pronoun} ({quantifier})"
     if len(found) > 1:

@@ -29,10 +29,44 @@ from cast_core.csg.words import (
 )
 
 _RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "side"})
+# "the middle of a field", "the corner of a room": a place inside another noun phrase, where "in"
+# may mean in or on ("in the middle of a table"); the lists write it as "in" and as a relation.
+_PLACES_IN = frozenset({"middle", "center", "centre", "corner", "edge", "end", "bottom", "back",
+                        "foot", "side", "rim", "surface"})
+# "on the left", "in the background": a place in the picture, not relative to a noun phrase.
+PICTURE_PLACES = frozenset({"left", "right", "middle", "center", "centre", "foreground",
+                             "background", "distance"})
+_BIG_COUNTS = frozenset({"eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen",
+                         "seventeen", "eighteen", "nineteen", "twenty", "thirty", "forty", "fifty",
+                         "hundred", "hundreds", "thousand", "dozen", "dozens"})
+_VAGUE_COUNTS = frozenset({"some", "several", "many", "few", "numerous", "multiple", "lots",
+                           "countless", "various", "couple"})
+
+
+def count_reason(words: list[str]) -> str | None:
+    """Why a noun phrase's count does not read, when it is one the offline parser refuses by
+    name: above ten ("twelve eggs", "a dozen eggs", "11 players") or no number ("several cats",
+    "a few birds")."""
+    first, second = words[0], words[1] if len(words) > 1 else ""
+    if first in _BIG_COUNTS or second in _BIG_COUNTS and first in ("a", "an", "two", "three") \
+            or first.isdigit() and int(first) > 10:
+        said = " ".join(words[:2]) if second in _BIG_COUNTS else first
+        return (f"it has a count above ten ({' '.join(words[:2])!r}); the offline parser reads "
+                f"counts one..ten (or 1..10), as GenEval's counting template writes them, not "
+                f"{said!r}")
+    if first in _VAGUE_COUNTS or first == "a" and second in _VAGUE_COUNTS:
+        said = " ".join(words[:2]) if first == "a" else first
+        return (f"it has a count that names no number ({' '.join(words[:2])!r}); a noun phrase "
+                f"starts with a/an or a count one..ten (or 1..10), not {said!r}")
+    return None
 
 
 def unsupported_construct(words: list[str]) -> str | None:
     """The unsupported construct the words after a count show, if one can be named."""
+    if len(words) == 1 and words[0] in PICTURE_PLACES:
+        return (f"'the {words[0]}' names a place in the picture ('a cat on the left'), not a "
+                f"noun phrase; the offline parser reads a place only relative to another noun "
+                f"phrase ('to the left of a dog')")
     for i, word in enumerate(words):
         later = i > 0
         if word == "of" and of_at(words) == i:
@@ -45,6 +79,16 @@ def unsupported_construct(words: list[str]) -> str | None:
         if later and word == "of" and words.count("of") > 1:
             return f"it has 'of' {words.count('of')} times ({' '.join(words)!r}), which the " \
                    f"offline parser does not read"
+        if later and word == "of" and words[i - 1] == "full":
+            return (f"it has 'full of' ({' '.join(words[max(0, i - 2):i + 2])!r}), which the held-out "
+                    "lists write two ways (the container full, with what fills it in it; or one "
+                    "noun, 'a basket of apples'); write 'a basket of apples'")
+        if later and word == "of" and words[i - 1] in _PLACES_IN:
+            said = " ".join(["the", *words[i - 1:i + 2]])
+            return (f"it has 'the {words[i - 1]} of' ({said!r}), a place inside another noun "
+                    "phrase, which the offline parser does not read as a relation ('in the "
+                    "middle of a table': in or on it?); write the relation itself ('in a field', "
+                    "'on a table')")
         if later and word == "of":
             return (f"it has an 'of' phrase ({' '.join(words[i - 1:i + 2])!r}); the offline parser "
                     f"reads 'of' only after a container or quantity ('a cup of tea', 'two loaves "
