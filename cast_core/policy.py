@@ -23,6 +23,10 @@ from the detached log-probs of all its samples and steps, so they are what one m
 whole mini-batch would give. ``lr_for_step`` (optional) sets every param group's lr before each
 optimizer step from the number of steps this call has taken (skipped ones not counted; the caller
 adds its earlier steps, e.g. for a warm-up: ``lr_schedule.linear_warmup_lr``).
+Data parallel (``shard``, ``cast_core.data_parallel``): each rank runs the micro-batches of its
+contiguous part of every mini-batch with the same n / m weights, the ranks' gradients are summed
+before the clip, and the replayed log-probs gathered before the statistics, so every rank takes
+the single process's step (to float rounding) on the mean over all m samples.
 
 Guards: a step whose loss (so any of its micro-batches' losses) or accumulated grad norm is not
 finite gets its grads zeroed and no optimizer step; its ``UpdateStep`` says skipped=True and why.
@@ -66,6 +70,7 @@ import torch
 from torch import Tensor
 
 from cast_core.checks import require_count, require_positive
+from cast_core.data_parallel import SOLO, Shard, all_reduce_grads, gather_rows
 from cast_core.lora import reference_mode
 from cast_core.loss import (
     PolicyLoss,
@@ -222,6 +227,18 @@ def _micro_batch_backward(
     return _Replayed(torch.cat(new, dim=1), ref_kl)
 
 
+def _gathered(parts: list[_Replayed], old: Tensor, sizes: list[int], config: PolicyConfig
+              ) -> _Replayed:
+    """Every rank's replays of a step in sample order, from this rank's micro-batches' `parts`
+    (none when its part is empty; old [m, K, h, w] gives the empty shapes)."""
+    mine = [p.log_probs for p in parts] or [old[:0]]
+    log_probs = gather_rows(torch.cat(mine), sizes)  # [m, K, h, w]
+    if config.kl_beta == 0:
+        return _Replayed(log_probs, None)
+    kls = [p.ref_kl for p in parts] or [old.new_zeros((0, old.shape[1]), dtype=torch.float64)]
+    return _Replayed(log_probs, gather_rows(torch.cat(kls), sizes))  # ref_kl [m, K]
+
+
 def _record(
     parts: list[_Replayed],
     old: Tensor,
@@ -269,9 +286,11 @@ def _optimizer_step(
     epoch: int,
     step: int,
     first: bool,
+    shard: Shard,
 ) -> UpdateStep:
-    """Accumulate the gradients of mini-batch `idx` over micro-batches, clip, and step unless
-    the loss or grad norm is not finite; `first`: check the ratio of the update's first step."""
+    """Accumulate the gradients of mini-batch `idx` over micro-batches (of this rank's part of
+    it, summed over the ranks), clip, and step unless the loss or grad norm is not finite;
+    `first`: check the ratio of the update's first step."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     optimizer.zero_grad(set_to_none=True)
     parts = [
@@ -284,11 +303,15 @@ def _optimizer_step(
             config,
             share=len(mb) / len(idx),
         )
-        for mb in idx.split(config.micro_batch)
+        for mb in shard.part(idx).split(config.micro_batch)
+        if len(mb)  # an empty part splits into one empty micro-batch
     ]
+    all_reduce_grads(params, shard)
     with torch.no_grad():
         old = rollout.log_probs[idx.to(rollout.log_probs.device)]  # [m, K, h, w]
         adv = advantages[idx.to(advantages.device)]
+        if shard.world > 1:
+            parts = [_gathered(parts, old, shard.sizes(len(idx)), config)]
         loss, fields = _record(parts, old, adv, rollout.latents.shape[2], config)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
     reason = None
@@ -326,6 +349,7 @@ def policy_update(
     shuffle_seed: int | None = None,
     on_step: Callable[[UpdateStep], None] | None = None,
     lr_for_step: Callable[[int], float] | None = None,
+    shard: Shard = SOLO,
 ) -> list[UpdateStep]:
     """Inner epochs x steps_per_epoch optimizer steps of the clipped objective on the rollout's
     window steps, each accumulated over micro-batches.
@@ -335,6 +359,8 @@ def policy_update(
     (scalar). lr_for_step(j), when given, sets every param group's lr before the optimizer step
     that follows j steps taken by this call (skipped steps not counted). Returns one UpdateStep
     per optimizer step, in order; `on_step` (e.g. a progress bar) is called with each one.
+    With a `shard` of a data-parallel group (``cast_core.data_parallel``) every rank passes the
+    same inputs, backpropagates its part of each step and gets the same weights and records.
     """
     n = rollout.latents.shape[0]
     if len(prompts) != n:
@@ -367,6 +393,7 @@ def policy_update(
                 epoch,
                 step,
                 first=not records,
+                shard=shard,
             )
             records.append(record)
             taken += not record.skipped

@@ -127,3 +127,57 @@ def test_a_killed_actors_shard_is_redone(ray_run, tmp_path_factory):
     recorded = {p for record in store.stage_records() for p in record.paths}
     stored = {p.relative_to(store.root).as_posix() for p in (store.root / "blobs").rglob("*.*")}
     assert stored == {p for p in recorded if p.startswith("blobs/")}
+
+
+# one optimizer step over all 16 samples: at a second step Adam divides gradients that are
+# float32 noise (the LoRA A factors' ~1e-10, far below its eps) by eps, which turns their
+# rounding differences into ~1e-6 weight differences however the sum is split
+ONE_STEP = {"train.steps_per_epoch": 1}
+
+
+@pytest.fixture(scope="module")
+def data_parallel_run(cluster, tmp_path_factory):
+    """Iteration 0 of the CI run in one optimizer step, on one process and with two training
+    actors -> (local store and refs, Ray store and refs, each policy actor's held policy hash)."""
+    from tests.pipeline_helpers import run_iteration as run_local
+
+    _, _, prompts, _ = reference(tmp_path_factory)
+    base = tmp_path_factory.mktemp("ray-ddp")
+    local_store = Store(base / "local")
+    local = run_local(local_store, ci_recipe(prompts, **ONE_STEP), 0)
+    recipe = ci_recipe(prompts, **RAY, **ONE_STEP, **{"ray.train_workers": 2})
+    store = Store(base / "ray")
+    stages = plain_stages()
+    with executor(recipe) as workers:
+        refs = run_iteration(stages, store, recipe, run_setup(stages, store, recipe), 0,
+                             workers=workers)
+        held = ray.get([a.__ray_call__.remote(lambda self: self.resident.policy_hash)
+                        for a in workers.policy])
+        workers.release()
+    return local_store, local, store, refs, held
+
+
+def _close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_two_training_actors_take_the_single_process_step(data_parallel_run):
+    """gloo data parallelism over two actors: the LoRA and AdamW state of the single-process
+    step over all samples (to 1e-6), the same step row, one writer, and both actors holding the
+    trained policy."""
+    local_store, local, store, refs, held = data_parallel_run
+    got = _rows(store, refs["train_epoch"], "checkpoints")[0]
+    want = _rows(local_store, local["train_epoch"], "checkpoints")[0]
+    for path in ("lora_path", "optimizer_path"):
+        _close(store.get_tensors(got[path]), local_store.get_tensors(want[path]))
+    assert held == [got["policy_hash"]] * 2
+    steps = [_rows(s, r["train_epoch"], "train_steps") for s, r in ((store, refs),
+                                                                    (local_store, local))]
+    assert [r["samples"] for r in steps[0]] == [r["samples"] for r in steps[1]] == [16]
+    for row, row0 in zip(*steps, strict=True):
+        for field in ("loss", "grad_norm", "ratio_mean", "clip_fraction", "policy_kl_nats"):
+            assert row[field] == pytest.approx(row0[field], rel=1e-5, abs=1e-7), field
+    assert len(store.read_table("checkpoints")) == 1

@@ -45,7 +45,10 @@ def test_executor_and_ray_fields_are_not_pinned():
     ({"ray.workers": 2}, ["ray.workers", "unknown field"]),
     ({"ray.rollout_workers": 1, "ray.train_workers": 2},
      ["train_workers <= rollout_workers"]),
-    ({"ray.train_workers": 2}, ["not implemented yet", "set train_workers = 1"]),
+    ({"run.executor": "ray", "ray.train_workers": 2, "train.objective": "nft"},
+     ["no data-parallel form", "set ray.train_workers = 1"]),
+    ({"run.executor": "ray", "ray.train_workers": 2, "backbone.device": "cuda",
+      "ray.num_gpus": 0.5}, ["NCCL needs a GPU of its own", "ray.num_gpus = 1"]),
     ({"run.executor": "ray", "backbone.device": "cuda"}, ["ray.num_gpus = 0", "set ray.num_gpus"]),
     ({"run.executor": "ray", "scorer.device": "cuda:0"}, ["ray.scorer_num_gpus = 1"]),
 ])
@@ -58,3 +61,10 @@ def test_bad_ray_settings_name_the_fix(overrides, words):
 def test_a_gpu_model_is_fine_locally_or_with_a_gpu_per_actor():
     load_recipe(CI, {"backbone.device": "cuda"})
     load_recipe(CI, {"run.executor": "ray", "backbone.device": "cuda", "ray.num_gpus": 0.5})
+
+
+def test_data_parallel_training_is_accepted():
+    recipe = load_recipe(CI, {"run.executor": "ray", "ray.train_workers": 2})
+    assert "the first 2 train" in recipe.derived()["executor"]
+    load_recipe(CI, {"run.executor": "ray", "ray.train_workers": 2, "backbone.device": "cuda",
+                     "ray.num_gpus": 1})

@@ -8,8 +8,10 @@ prompt groups into contiguous shards, one an actor; each shard's samples (window
 images) are written through the store as one content-addressed blob, and the stage reads them
 back in shard order and writes the same blobs and rows as one process would (seeds derive from
 (run seed, iteration, prompt id, sample index), never from a position in a batch). The training
-runs on the first policy actor, which then holds the trained policy, so the next rollout on it
-reloads nothing. Scorer actors (`ScorerWorker`) hold the recipe's scorer; the samples to score are
+runs on the first `ray.train_workers` policy actors, data-parallel when there are several: they
+join a torch.distributed group for the call (`tasks.stages.train_group`), each trains its part
+of every optimizer step, and rank 0 writes; each then holds the trained policy, so the next
+rollout on it reloads nothing. Scorer actors (`ScorerWorker`) hold the recipe's scorer; the samples to score are
 split between them, each with all its atoms, and each actor reads its images from the store. The
 stage's completion record is written by `run_stage` after the body returns, so after every shard
 has finished. A remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on
@@ -28,7 +30,7 @@ Ray is imported inside the functions that need it: the local executor never impo
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 
 from cast_core.csg.graph import SceneGraph
+from cast_core.data_parallel import SOLO
 from cast_core.rollout import Rollout
 from tasks.stages.models import scorer, set_threads
 from tasks.stages.policy_state import PolicyState
@@ -45,11 +48,13 @@ from tasks.stages.resident import Loads, ResidentPolicy
 from tasks.stages.rollout import Sampled, rollout_spec, sample_groups
 from tasks.stages.score_atoms import score_rows
 from tasks.stages.train_epoch import Trained, train_and_write
+from tasks.stages.train_group import Group, joined, rendezvous
 from tasks.store.records import BlobRef
 from tasks.store.store import Store
 
 NAMESPACE = "cast"
 RETRIES = 2  # restarts of a dead actor, and tries of the call it had in flight
+STRAGGLER_S = 30.0  # after a training rank failed, how long the others get to fail too
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # this file is tasks/stages/ray_workers.py
 _ROLLOUT_KEYS = ("x0", "latents", "next_latents", "log_probs")  # per sample; t, t_next shared
 
@@ -73,12 +78,21 @@ class PolicyWorker:
                                   "next_latents": r.next_latents, "log_probs": r.log_probs,
                                   "t": r.t, "t_next": r.t_next, "images": sampled.images})
 
-    def train(self, root: str, recipe: Recipe, policy: PolicyState, *inputs: Any) -> Trained:
-        """`train_epoch.train_and_write` on the held policy; the actor then holds the trained one."""
+    def rendezvous(self) -> str:
+        """An address on this actor's node where a training group can meet."""
+        return rendezvous()
+
+    def train(self, root: str, recipe: Recipe, policy: PolicyState, group: Group | None,
+              *inputs: Any) -> Trained:
+        """`train_epoch.train_and_write` on the held policy, alone (`group` None) or as one rank
+        of the training group; the actor then holds the trained policy."""
         store = Store(root)
         backbone, params = self.resident.get(store, recipe, policy)
+        device = next(backbone.transformer.parameters()).device
         try:
-            trained = train_and_write(store, recipe, backbone, params, policy, *inputs)
+            with nullcontext(SOLO) if group is None else joined(group, device) as shard:
+                trained = train_and_write(store, recipe, backbone, params, policy, *inputs,
+                                          shard=shard)
         except BaseException:
             self.resident.forget()
             raise
@@ -152,10 +166,24 @@ class Workers:
         return ids.pop(), [result for _, results in answers for result in results]
 
     def train(self, store: Store, recipe: Recipe, policy: PolicyState, *inputs: Any) -> Trained:
-        """The iteration's training on the first policy actor."""
+        """The iteration's training on the first policy actor, or data-parallel on the first
+        `ray.train_workers` of them -> rank 0's result (the one that wrote)."""
         import ray
 
-        return ray.get(self.policy[0].train.remote(str(store.root), recipe, policy, *inputs))
+        root, trainers = str(store.root), self.policy[:recipe.ray.train_workers]
+        if len(trainers) == 1:
+            return ray.get(trainers[0].train.remote(root, recipe, policy, None, *inputs))
+        address = ray.get(trainers[0].rendezvous.remote())
+        # a rank retried alone could never meet the others: a failed group training fails the
+        # stage, which the next flow run redoes (rank 0 writes only after every rank finished)
+        calls = [actor.train.options(max_task_retries=0).remote(
+                     root, recipe, policy, Group(address, rank, len(trainers)), *inputs)
+                 for rank, actor in enumerate(trainers)]
+        try:
+            return ray.get(calls)[0]
+        except Exception:
+            _restart_stragglers(trainers, calls)
+            raise
 
     def loads(self) -> dict[str, list]:
         """Each actor's load counts: {"policy": [Loads], "scorer": [int]}."""
@@ -170,6 +198,18 @@ class Workers:
 
         for actor in (*self.policy, *self.scorers):
             ray.kill(actor, no_restart=True)
+
+
+def _restart_stragglers(actors: Sequence, calls: list) -> None:
+    """After a rank of a group training failed: restart the ranks still in it (a lost peer can
+    leave them waiting in a collective until `train_group.TIMEOUT`), so that the actors answer
+    the next call; they reload the backbone."""
+    import ray
+
+    _, running = ray.wait(calls, num_returns=len(calls), timeout=STRAGGLER_S)
+    for actor, call in zip(actors, calls):
+        if call in running:
+            ray.kill(actor, no_restart=False)
 
 
 def _gather(store: Store, parts: list[BlobRef]) -> Sampled:

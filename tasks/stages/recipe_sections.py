@@ -363,9 +363,9 @@ class RaySection(Section):
     """The Ray executor (`run.executor = "ray"`; read by nothing else). `address`: "" starts a
     local cluster in the flow's process, anything else is passed to `ray.init` (e.g. "auto" or
     "ray://head:10001") to join a running one. `rollout_workers` resident policy actors split each
-    rollout's prompt groups between them; the first `train_workers` of them train (one: data
-    parallelism across actors is not implemented yet). `scorer_workers` resident scorer actors
-    split the samples to score. `num_gpus` / `num_cpus`: what each policy actor reserves,
+    rollout's prompt groups between them; the first `train_workers` of them train, data-parallel
+    when more than one (a torch.distributed group: gloo on CPU, NCCL on GPU, with a GPU per rank).
+    `scorer_workers` resident scorer actors split the samples to score. `num_gpus` / `num_cpus`: what each policy actor reserves,
     `scorer_num_gpus` / `scorer_num_cpus` each scorer actor (fractions share a device). Nothing
     here changes a result, so the whole section is unpinned."""
 
@@ -384,7 +384,4 @@ class RaySection(Section):
             raise ValueError(f"ray.train_workers ({self.train_workers}) exceeds "
                              f"ray.rollout_workers ({self.rollout_workers}): training runs on "
                              f"the first policy actors, so set train_workers <= rollout_workers")
-        if self.train_workers != 1:
-            raise ValueError(f"ray.train_workers = {self.train_workers}: data-parallel training "
-                             f"across actors is not implemented yet; set train_workers = 1")
         return self

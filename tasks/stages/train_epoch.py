@@ -47,13 +47,16 @@ mean score per atom type, the zero-variance fraction, the alarm), trains the loa
 (`train_policy`) and builds the rows from what came back (`train_step_rows`, `checkpoint_row`).
 `iteration_stats`, `train_step_rows` and `checkpoint_row` are tested on plain inputs. The
 training and its writes (`train_and_write`) take the loaded policy, so the Ray executor runs them
-on a resident policy actor (`tasks.stages.ray_workers`). The mean
+on resident policy actors (`tasks.stages.ray_workers`), data-parallel across `ray.train_workers`
+of them (`cast_core.data_parallel`: each rank trains its part of every step; the ranks check
+that they hold the same trained LoRA and rank 0 alone writes). The mean
 score per atom type and the rollout images' high-frequency energy are computed here, from the
 stored atom scores and images: no earlier stage's table has a column for them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -66,6 +69,7 @@ from safetensors import safe_open
 
 from cast_core.advantage import step_weighted_maps
 from cast_core.csg.graph import ATOM_TYPES
+from cast_core.data_parallel import SOLO, Shard, same_on_all_ranks
 from cast_core.diagnostics import RewardAlarm, constant_reward_alarm, high_frequency_energy
 from cast_core.lr_schedule import kl_targeted_lr
 from cast_core.nft_update import NftConfig, NftStep
@@ -90,7 +94,7 @@ from tasks.stages.train_update import (
 )
 from tasks.store.records import BlobRef
 from tasks.store.stage import StageRef, make_key, run_stage
-from tasks.store.store import Store
+from tasks.store.store import Store, tensor_bytes
 
 if TYPE_CHECKING:
     from tasks.stages.ray_workers import Workers
@@ -319,9 +323,12 @@ class Trained:
 
 def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: PolicyState,
                     csgs: StageRef, rollouts: StageRef, scores: StageRef, advantages: StageRef,
-                    iteration: int, gains: StageRef | None = None) -> Trained:
+                    iteration: int, gains: StageRef | None = None, *,
+                    shard: Shard = SOLO) -> Trained:
     """Train the loaded `policy` (backbone and its LoRA `params`) on the iteration and write the
-    stage's outputs; the caller records completion."""
+    stage's outputs; the caller records completion. With a `shard` of a data-parallel group each
+    rank trains its part of every step, the ranks check that they hold the same trained LoRA, and
+    only rank 0 writes (the others return no refs)."""
     run_id = recipe.run.name
     set_threads(recipe)
     lr = iteration_lr(recipe, policy)
@@ -329,14 +336,16 @@ def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: Poli
     rows = load_rollout_rows(store, rollouts)
     device = next(backbone.transformer.parameters()).device
     batch = read_batch(store, recipe, rows, csgs, advantages, gains, device)
+    outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr, shard)
+    policy_hash = _same_policy(outcome.lora, shard, device)
+    if shard.rank > 0:
+        return Trained([], policy_hash)
     stats = read_stats(store, scores, advantages, recipe.advantage.std_floor)
-    hf_energy = _rollout_hf_energy(store, rows)
-    seconds = _stage_seconds(store, run_id, iteration)
-    outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr)
     _warn(outcome, stats, recipe, batch, iteration)
     keys, part = {"run_id": run_id, "iteration": iteration}, f"{run_id}-{iteration:05d}"
     shared = {**stats.rewards, "zero_variance_fraction": stats.zero_variance_fraction,
-              "stage_seconds_json": seconds, "reward_step_weights_json": batch.weights_json}
+              "stage_seconds_json": _stage_seconds(store, run_id, iteration),
+              "reward_step_weights_json": batch.weights_json}
     nft = nft_config(recipe) if recipe.train.objective == "nft" else None
     steps = train_step_rows(keys, outcome.updates, outcome.first_step, shared, nft,
                             float(batch.advantages.abs().mean()))
@@ -344,9 +353,20 @@ def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: Poli
     opt = store.put_tensors(outcome.optimizer_state,
                             metadata={"param_groups": outcome.param_groups})
     checkpoint = checkpoint_row(keys, lora, opt, base_hash(recipe), recipe.train, outcome,
-                                hf_energy, stats.alarm, lr)
+                                _rollout_hf_energy(store, rows), stats.alarm, lr)
     return Trained([store.write_table("train_steps", steps, part), lora, opt,
                     store.write_table("checkpoints", [checkpoint], part)], lora.sha256)
+
+
+def _same_policy(lora: dict[str, torch.Tensor], shard: Shard, device: torch.device) -> str:
+    """The trained LoRA's policy hash (its blob's sha256), checked equal on every rank."""
+    digest = hashlib.sha256(tensor_bytes(lora)).hexdigest()
+    if shard.world > 1 and not same_on_all_ranks(bytes.fromhex(digest), device):
+        raise RuntimeError(
+            f"rank {shard.rank} of {shard.world}: the data-parallel ranks ended on different "
+            f"LoRAs (this rank's hash {digest[:12]}); their inputs or kernels differ. Nothing was "
+            f"written; check that every training actor runs the same code and backbone")
+    return digest
 
 
 def train_epoch(store: Store, recipe: Recipe, csgs: StageRef, rollouts: StageRef,

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from cast_core.data_parallel import SOLO, Shard
 from cast_core.diagnostics import param_change_norm
 from cast_core.lr_schedule import linear_warmup_lr
 from cast_core.nft_update import NftConfig, NftStep, nft_update
@@ -139,11 +140,13 @@ def _postfix(u: UpdateStep | NftStep) -> dict[str, str]:
 
 
 def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recipe: Recipe,
-            iteration: int, lr_for_step: Callable[[int], float]) -> list:
-    """The recipe's update (the SDE policy objective or NFT) with a progress bar."""
+            iteration: int, lr_for_step: Callable[[int], float], shard: Shard) -> list:
+    """The recipe's update (the SDE policy objective or NFT) with a progress bar (rank 0's)."""
     tr, seed = recipe.train, recipe.run.seed
+    if tr.objective == "nft" and shard.world > 1:
+        raise ValueError("the NFT update has no data-parallel form; train it on one worker")
     with tqdm(total=tr.steps_per_epoch * tr.inner_epochs, desc=f"train {iteration}", unit="step",
-              mininterval=1.0) as bar:
+              mininterval=1.0, disable=shard.rank > 0) as bar:
         def show(u: UpdateStep | NftStep) -> None:
             bar.set_postfix(**_postfix(u))
             bar.update()
@@ -156,7 +159,7 @@ def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recip
         return policy_update(backbone, optimizer, batch.prompts, batch.rollout, batch.spec,
                              batch.advantages, policy_config(recipe, batch.loss_kind),
                              shuffle_seed=derive_seed(seed, "shuffle", iteration), on_step=show,
-                             lr_for_step=lr_for_step)
+                             lr_for_step=lr_for_step, shard=shard)
 
 
 def _adam_steps(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:
@@ -164,15 +167,17 @@ def _adam_steps(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:
 
 
 def train_policy(backbone, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                 batch: TrainBatch, recipe: Recipe, iteration: int, lr: float) -> TrainOutcome:
+                 batch: TrainBatch, recipe: Recipe, iteration: int, lr: float,
+                 shard: Shard = SOLO) -> TrainOutcome:
     """One iteration's update of the loaded policy (`params`: its LoRA parameters, trained by
     `optimizer`) at the iteration's `lr`, warmed up over the run's first optimizer steps; raises
-    NonFiniteWeights when the weights came out non-finite, else measures how far it moved."""
+    NonFiniteWeights when the weights came out non-finite, else measures how far it moved. With
+    a `shard` of a data-parallel group every rank trains its part and ends on the same weights."""
     tr = recipe.train
     first_step = _adam_steps(optimizer, params)
     before = [p.detach().clone() for p in params]
     updates = _update(backbone, optimizer, batch, recipe, iteration,
-                      lambda j: linear_warmup_lr(lr, tr.warmup_steps, first_step + j))
+                      lambda j: linear_warmup_lr(lr, tr.warmup_steps, first_step + j), shard)
     lora, (state, groups) = lora_tensors(backbone), optimizer_tensors(optimizer)
     _refuse_non_finite(lora, state, updates, iteration, lr)
     moved = (update_kl_nats(backbone, batch.prompts, batch.rollout, batch.spec,

@@ -56,6 +56,14 @@ _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]*")
 _EXT = re.compile(r"[a-z0-9]+(\.[a-z0-9]+)*")
 
 
+def tensor_bytes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The safetensors bytes `Store.put_tensors` writes (their sha256 is the blob's hash)."""
+    from safetensors.torch import save  # torch is imported only by the tensor functions
+
+    contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    return save(contiguous, metadata=dict(metadata or {}))
+
+
 class Store:
     """Reads and writes one store root; safe to use from several processes at once."""
 
@@ -141,10 +149,7 @@ class Store:
     def put_tensors(self, tensors: Mapping[str, Any],
                     metadata: Mapping[str, str] | None = None) -> BlobRef:
         """Store named tensors as one safetensors blob (content-addressed, idempotent)."""
-        from safetensors.torch import save  # torch is imported only by the tensor methods
-
-        contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-        return self.put_blob(save(contiguous, metadata=dict(metadata or {})), "safetensors")
+        return self.put_blob(tensor_bytes(tensors, metadata), "safetensors")
 
     def get_tensors(self, ref_or_path: BlobRef | str | os.PathLike) -> dict[str, Any]:
         """Load a safetensors blob (never pickle) -> {name: CPU tensor}."""

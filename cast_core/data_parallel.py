@@ -1,0 +1,101 @@
+"""Data parallelism for the policy update: each optimizer step's samples split across the ranks
+of a torch.distributed process group, every rank stepping on the whole step's gradient.
+
+Variant: plain synchronous data parallelism (DDP's arithmetic without its module wrapper; the
+LoRA's gradients are one small bucket, summed once per optimizer step, after the micro-batches).
+Every rank holds the same weights, optimizer state and inputs (all N samples, the same seeded
+shuffle), so it knows every step's m sample indices `idx`. Conventions:
+
+- Rank r of `world` takes the r-th of `world` contiguous parts of `idx` (sizes differ by at most
+  one; a part may be empty) and backpropagates it in micro-batches, each weighted n / m (n its
+  samples, m the whole step's) exactly as one process weights them.
+- `all_reduce_grads` then *sums* the ranks' gradients: the sum is the gradient of the step's mean
+  loss over all m samples whatever the parts' sizes. (Averaging over ranks, DDP's default, would
+  weight a sample of a smaller part more.)
+- `gather_rows` concatenates per-sample results (the replayed log-probs) in rank order, which is
+  `idx` order, so the step's statistics and its finite-loss guard are the single process's on
+  every rank; every rank clips the same gradient and takes the same optimizer step, so the
+  weights stay equal without being broadcast.
+
+Departure from one process: the same terms summed in another grouping (per rank, then across
+ranks), so the weights agree to float rounding, not bitwise, unless the micro-batches line up.
+`SOLO` (world 1) communicates nothing and is the single-process update exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place in the data-parallel group: rank in [0, world)."""
+
+    rank: int
+    world: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"Shard needs 0 <= rank < world: got rank {self.rank} of "
+                             f"{self.world}")
+
+    def sizes(self, m: int) -> list[int]:
+        """How many of a step's m samples each rank takes: [world], summing to m."""
+        return [m // self.world + (r < m % self.world) for r in range(self.world)]
+
+    def part(self, idx: Tensor) -> Tensor:
+        """This rank's contiguous part of a step's sample indices idx [m] -> [sizes(m)[rank]]."""
+        return torch.tensor_split(idx, self.world)[self.rank]
+
+
+SOLO = Shard(0, 1)
+
+
+def all_reduce_grads(params: list[Tensor], shard: Shard) -> None:
+    """Sum each parameter's .grad over the ranks in place (one collective per dtype). A grad that
+    is None on a rank counts as zero; it stays None only where it is None on every rank."""
+    if shard.world == 1:
+        return
+    import torch.distributed as dist
+
+    device = params[0].device
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                           device=device)
+    dist.all_reduce(present)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        group = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(flat)
+        for g, summed in zip(group, flat.split([g.numel() for g in group])):
+            g.copy_(summed.view_as(g))
+    for p, g, count in zip(params, grads, present.tolist()):
+        p.grad = g if count else None
+
+
+def gather_rows(local: Tensor, sizes: list[int]) -> Tensor:
+    """Every rank's rows in rank order: local [sizes[rank], ...] -> [sum(sizes), ...]."""
+    if len(sizes) == 1:
+        return local
+    import torch.distributed as dist
+
+    width = max(sizes)
+    padded = local.new_zeros((width, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    slots = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(slots, padded)
+    return torch.cat([slot[:n] for slot, n in zip(slots, sizes)])
+
+
+def same_on_all_ranks(digest: bytes, device: torch.device) -> bool:
+    """Whether every rank passed the same bytes (e.g. the trained LoRA's sha256)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(list(digest), dtype=torch.int64, device=device)
+    lowest, highest = mine.clone(), mine.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lowest, highest))

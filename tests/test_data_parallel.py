@@ -1,0 +1,99 @@
+"""Data-parallel policy updates: two gloo ranks, each backpropagating its part of every optimizer
+step, end on the LoRA and AdamW state of the single-process update over all the step's samples
+(to 1e-6), for the spatial (CAST) and the scalar (Flow-GRPO) objective, with parts of unequal
+size and an empty one; the shard arithmetic itself is checked on plain inputs."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
+from cast_core.data_parallel import SOLO, Shard
+from cast_core.lora import add_lora
+from cast_core.policy import PolicyConfig, policy_update
+from cast_core.rollout import RolloutSpec, rollout
+from cast_core.window import SdeWindow
+
+TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)
+PROMPTS = ["a photo of a red circle"] * 2 + ["a photo of two blue squares"] * 3
+SPEC = RolloutSpec(num_steps=4, guidance_scale=1.5, noise_level=0.7, sde_kind="flow_sde",
+                   window=SdeWindow(1, 3))
+# (objective, steps_per_epoch, kl_beta): 5 samples in 1 step (parts 3 + 2), in 2 steps of 3 and
+# 2 (parts 2 + 1 and 1 + 1) with the KL to the reference, in 5 steps of 1 (rank 1's part empty)
+CASES = [("scalar", 1, 0.0), ("spatial", 2, 0.1), ("spatial", 5, 0.0)]
+
+
+def test_parts_are_contiguous_and_cover_the_step():
+    idx = torch.tensor([4, 0, 3, 1, 2])
+    shards = [Shard(r, 2) for r in range(2)]
+    assert [s.part(idx).tolist() for s in shards] == [[4, 0, 3], [1, 2]]
+    assert [s.sizes(5) for s in shards] == [[3, 2], [3, 2]]
+    assert Shard(1, 2).part(idx[:1]).tolist() == [] and Shard(0, 3).sizes(1) == [1, 0, 0]
+    assert torch.equal(SOLO.part(idx), idx)
+    with pytest.raises(ValueError, match="rank < world"):
+        Shard(2, 2)
+
+
+def _train(objective: str, steps: int, kl_beta: float, shard: Shard) -> dict:
+    """The LoRA, AdamW state and step records after one update of the tiny policy."""
+    torch.manual_seed(0)
+    model = ShapesBackbone(TINY).eval()
+    lora = add_lora(model, rank=2, alpha=2.0)
+    with torch.no_grad():  # off B = 0, so both factors get gradients
+        for p in lora:
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    out = rollout(model, PROMPTS, [3, 4, 5, 6, 7], SPEC)
+    gen = torch.Generator().manual_seed(1)
+    adv = (torch.randn(5, generator=gen) if objective == "scalar"
+           else torch.randn(5, 32, 32, generator=gen))
+    optimizer = torch.optim.AdamW(lora, lr=1e-2, weight_decay=0.01)
+    config = PolicyConfig(advantage=objective, clip_range=0.2, kl_beta=kl_beta,
+                          steps_per_epoch=steps, micro_batch=2)
+    records = policy_update(model, optimizer, PROMPTS, out, SPEC, adv, config, shuffle_seed=5,
+                            shard=shard)
+    state = optimizer.state_dict()["state"]
+    return {"lora": [p.detach().clone() for p in lora],
+            "adam": [(s["exp_avg"], s["exp_avg_sq"], float(s["step"])) for s in state.values()],
+            "records": records}
+
+
+def _rank(rank: int, init: str, results: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        got = [_train(*case, Shard(rank, 2)) for case in CASES]
+    finally:
+        dist.destroy_process_group()
+    torch.save(got, f"{results}.{rank}")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each case's results on ranks 0 and 1 -> [(rank 0's, rank 1's)]."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_rank, args=(f"file://{tmp / 'rendezvous'}", str(tmp / "out")), nprocs=2)
+    got = [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(2)]
+    return list(zip(*got))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_two_ranks_take_the_single_process_steps(two_ranks, case):
+    want = _train(*CASES[case], SOLO)
+    for got in two_ranks[case]:
+        for a, b in zip(got["lora"], want["lora"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert len(got["adam"]) == len(want["adam"])
+        for (m, v, n), (m0, v0, n0) in zip(got["adam"], want["adam"]):
+            torch.testing.assert_close(m, m0, rtol=0, atol=1e-6)
+            torch.testing.assert_close(v, v0, rtol=0, atol=1e-9)
+            assert n == n0 == CASES[case][1]
+        for r, r0 in zip(got["records"], want["records"], strict=True):
+            assert r.samples == r0.samples and r.skipped == r0.skipped
+            for field in ("loss", "grad_norm", "ratio_mean", "clip_fraction", "policy_kl_nats"):
+                assert getattr(r, field) == pytest.approx(getattr(r0, field), rel=1e-5,
+                                                          abs=1e-7), field
+            assert (r.ref_kl_nats is None) == (r0.ref_kl_nats is None)
+    ranks = two_ranks[case]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["lora"], ranks[1]["lora"]))
