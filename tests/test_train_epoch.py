@@ -130,5 +130,8 @@ def test_pick_advantage_per_kind():
     constant, kind = pick_advantage(blob, "atom")  # the no-map credit as a constant map
     assert kind == "spatial" and constant.shape == maps.shape
     assert torch.equal(constant, torch.tensor([1.0, -2.0])[:, None, None].expand(2, 3, 3))
-    with pytest.raises(ValueError, match="'spatial', 'scalar' or 'atom'"):
+    constant, kind = pick_advantage(blob, "scalar_map")  # the scalar advantage as a constant map
+    assert kind == "spatial"
+    assert torch.equal(constant, torch.tensor([0.5, -0.5])[:, None, None].expand(2, 3, 3))
+    with pytest.raises(ValueError, match="'spatial', 'scalar', 'atom' or 'scalar_map'"):
         pick_advantage(blob, "map")

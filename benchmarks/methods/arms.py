@@ -64,6 +64,10 @@ ONE_CHANGE = (
     ("flowgrpo-calibrated", "flowgrpo", "window: calibrated, not hand-set (scalar reward)"),
     ("cast", "cast-fixed-window", "window: calibrated, not hand-set (atom maps)"),
     ("cast-late-window", "cast-fixed-window", "window: fixed [6, 9), not [0, 3) (atom maps)"),
+    ("flowgrpo-per-position", "flowgrpo",
+     "loss: per-position ratios (CAST's clip range) instead of the all-dims ratio (scalar reward)"),
+    ("cast-no-map-fixed-window", "flowgrpo-per-position",
+     "advantage: atom z-scores instead of the scalar reward (constant map, per-position ratio)"),
     ("cast-no-map-fixed-window", "flowgrpo",
      ("advantage: atom z-scores (constant map, per-position ratio) instead of the scalar reward "
      "(all-dims ratio; hand-set window)")),
@@ -98,6 +102,7 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
         raise ValueError(f"suite must be one of {SUITES}; got {suite!r}")
     w = load_recipe(FLOWGRPO_RECIPE).window
     fixed = {"window.mode": w.mode, "window.start": w.start, "window.size": w.size}
+    cast_clip = load_recipe(CAST_RECIPE).train.clip_range
     main = (Arm("flowgrpo", FLOWGRPO_RECIPE, {}, "scalar reward, hand-set window"),
             Arm("cast", CAST_RECIPE, {}, "atom maps, calibrated window (= static weighting at "
                 "equal budgets)"))
@@ -111,7 +116,10 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
         Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
             "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
         Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
-            "atom advantages, constant map, Flow-GRPO's window"))
+            "atom advantages, constant map, Flow-GRPO's window"),
+        Arm("flowgrpo-per-position", FLOWGRPO_RECIPE,
+            {"advantage.kind": "scalar_map", "train.clip_range": cast_clip},
+            "scalar reward as a constant map through CAST's per-position ratios and clip"))
     recast = (
         Arm("recast-equal", CAST_RECIPE, {"recast.weighting": "recast"},
             "cast + ReCAST step weights, equal budgets"),

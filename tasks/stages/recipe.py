@@ -7,6 +7,7 @@ recipe switch, on the same data and code:
     advantage.kind = "spatial"  CAST: per-atom z-scores projected through heatmaps (pixel maps)
     advantage.kind = "scalar"   Flow-GRPO: one reward per sample (mean or geometric mean of atoms)
     advantage.kind = "atom"     ablation: CAST's atom z-scores as one constant map (no heatmaps)
+    advantage.kind = "scalar_map"  ablation: Flow-GRPO's scalar advantage through the spatial loss
     window.mode = "calibrated"  the window ends at the backbone's structure-formation step
     window.mode = "fixed"       the window is [window.start, window.start + window.size)
 
@@ -169,7 +170,9 @@ class Recipe(Section):
                     "atom": "CAST's atom credit without maps on the forward-process (NFT) loss"
                     }.get(kind, f"DiffusionNFT (scalar {reward} reward)")
         return {"spatial": "CAST (spatial atom advantages)",
-                "atom": "CAST without maps (atom advantages, constant map)"}.get(
+                "atom": "CAST without maps (atom advantages, constant map)",
+                "scalar_map": f"Flow-GRPO's scalar {reward} reward through per-position ratios"
+                }.get(
             kind, f"Flow-GRPO (scalar {reward} reward)")
 
     def _lr_schedule(self) -> str:

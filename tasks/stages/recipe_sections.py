@@ -190,7 +190,9 @@ class AdvantageSection(Section):
     parents, projected through the scorer's heatmaps into a pixel map pooled onto the log-prob
     grid), "scalar" (Flow-GRPO: one `reward` per sample, z-scored by `scalar_mode`), or "atom"
     (ablation: CAST's gated atom z-scores without the pixel projection; each sample's map is the
-    constant mean of its atoms' advantages, clamped to `clip`, trained through the spatial loss).
+    constant mean of its atoms' advantages, clamped to `clip`, trained through the spatial loss),
+    or "scalar_map" (ablation: Flow-GRPO's scalar advantage as a constant map through the spatial
+    loss, so the only difference from "scalar" is the per-position ratio and its clip).
     `gate_by_parents`, `global_weight` and `clip` shape the atom kinds; `reward` and
     `scalar_mode` the scalar one; `std_floor` bounds every group std; `heatmap_norm` "mass"
     (each heatmap rescaled to mean 1, the paper's) or "peak" (to peak 1; `cast_core.advantage`);
@@ -205,7 +207,7 @@ class AdvantageSection(Section):
     hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm", "atom_norm", "spatial_mix",
                                               "heatmap_source")
 
-    kind: Literal["spatial", "scalar", "atom"]
+    kind: Literal["spatial", "scalar", "atom", "scalar_map"]
     gate_by_parents: bool = True
     global_weight: float = Field(1.0, ge=0.0)
     clip: float = Field(5.0, gt=0.0)

@@ -90,14 +90,18 @@ def nft_config(recipe: Recipe) -> NftConfig:
 def pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
     """(advantages, loss kind) for `advantage.kind`: "spatial" the maps [N, h, w], "scalar" the
     scalar advantages [N], "atom" the no-map credit [N] broadcast to a constant map [N, h, w]
-    (the spatial loss, so the only difference from CAST is the map)."""
+    (the spatial loss, so the only difference from CAST is the map), "scalar_map" the scalar
+    advantages broadcast likewise (the only difference from "scalar" is the loss's ratio)."""
     if kind == "spatial":
         return blob["maps"], "spatial"
     if kind == "scalar":
         return blob["scalar"], "scalar"
     if kind == "atom":
         return blob["atom"][:, None, None].expand_as(blob["maps"]).contiguous(), "spatial"
-    raise ValueError(f"advantage.kind must be 'spatial', 'scalar' or 'atom'; got {kind!r}")
+    if kind == "scalar_map":
+        return blob["scalar"][:, None, None].expand_as(blob["maps"]).contiguous(), "spatial"
+    raise ValueError(f"advantage.kind must be 'spatial', 'scalar', 'atom' or 'scalar_map'; got "
+                     f"{kind!r}")
 
 
 def policy_config(recipe: Recipe, loss_kind: str) -> PolicyConfig:
