@@ -9,7 +9,9 @@ thread) plus any `--set key=value` (values parsed as JSON, else kept as strings)
 under a temporary folder, through the same stages as the test, and evaluates the prompt on 32
 images with noise no rollout used (seed offset 1000) at the base and after every `--every`
 iterations. It prints one JSON line per checkpoint (recipe, seed, overrides, iteration, samples,
-mean atom score, gain over the base) and appends it to `--out` when given. Several seeds of one
+mean atom score, gain over the base; and over the iterations since the last checkpoint the
+training diagnostics: lr, update KL in nats a sample and window step, mean clip fraction, mean
+rollouts' object-atom score) and appends it to `--out` when given. Several seeds of one
 footing say whether the test's gain is a margin or a draw.
 """
 
@@ -51,6 +53,27 @@ def parse_set(items: list[str]) -> dict:
     return out
 
 
+def train_diagnostics(store: Store, recipe, first: int, last: int) -> dict:
+    """lr, update KL (nats a sample and window step), clip fraction and the rollouts' object score per
+    iteration first..last (lists; empty for the base)."""
+    if last < 0:
+        return {}
+    its = range(max(first, 0), last + 1)
+    ck = {r["iteration"]: r for r in store.read_table(
+        "checkpoints", {"run_id": recipe.run.name}).to_pylist()}
+    steps = store.read_table("train_steps", {"run_id": recipe.run.name}).to_pylist()
+
+    def per_it(key: str, k: int) -> float | None:
+        v = [s[key] for s in steps if s["iteration"] == k and s[key] is not None]
+        return round(sum(v) / len(v), 4) if v else None
+
+    return {"lr": [ck[k]["lr"] for k in its],
+            "update_kl_nats": [None if ck[k]["update_kl_nats"] is None
+                               else round(ck[k]["update_kl_nats"], 4) for k in its],
+            "clip_fraction": [per_it("clip_fraction", k) for k in its],
+            "rollout_object_score": [per_it("reward_object", k) for k in its]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="shapes-flowgrpo.toml")
@@ -73,7 +96,8 @@ def main() -> None:
                    "mean_score": round(mean_score(store, recipe, iteration), 4),
                    "gain": round(mean_score(store, recipe, iteration)
                                  - mean_score(store, recipe, -1), 4),
-                   "seconds": round(time.perf_counter() - t0, 1)}
+                   "seconds": round(time.perf_counter() - t0, 1), **train_diagnostics(
+                       store, recipe, iteration - args.every + 1, iteration)}
             print(json.dumps(row), flush=True)
             if args.out:
                 with args.out.open("a") as f:
