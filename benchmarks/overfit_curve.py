@@ -6,7 +6,7 @@
 Run it from the repository root. It trains the committed recipe on the test's one prompt ("a
 photo of a blue square") with the test's overrides (`tests/test_learning.overfit_recipe`, one
 thread) plus any `--set key=value` (values parsed as JSON, else kept as strings), in a fresh store
-under a temporary folder, through the same stages as the test, and evaluates the prompt on 32
+under a temporary folder, through the same stage order as the test (`tasks.stages.iteration`), and evaluates the prompt on 32
 images with noise no rollout used (seed offset 1000) at the base and after every `--every`
 iterations. It prints one JSON line per checkpoint (recipe, seed, overrides, iteration, samples,
 mean atom score, gain over the base; and over the iterations since the last checkpoint the
@@ -30,13 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_learning import mean_score, overfit_recipe
 
-from tasks.stages.build_csgs import build_csgs
-from tasks.stages.calibrate_window import calibrate_window
-from tasks.stages.compute_advantages import compute_advantages
 from tasks.stages.evaluate import evaluate_checkpoint
-from tasks.stages.rollout import rollout_groups
-from tasks.stages.score_atoms import score_atoms
-from tasks.stages.train_epoch import train_epoch
+from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.store.store import Store
 
 
@@ -104,12 +99,10 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
 
         report(-1)
-        csgs, window = build_csgs(store, recipe), calibrate_window(store, recipe)
+        stages = plain_stages()
+        setup = run_setup(stages, store, recipe)
         for k in range(args.iterations):
-            ro = rollout_groups(store, recipe, csgs, window, k)
-            sc = score_atoms(store, recipe, csgs, ro, k)
-            ad = compute_advantages(store, recipe, ro, sc, k)
-            train_epoch(store, recipe, csgs, ro, sc, ad, k)
+            run_iteration(stages, store, recipe, setup, k)
             if (k + 1) % args.every == 0:
                 report(k)
 
