@@ -7,7 +7,8 @@ channels at each position of one SDE step's log-density (see sde.py). For one po
     r = exp(l_new - l_old),    loss = -mean_{n, k, u} min(r M, clip(r, 1 - eps, 1 + eps) M),
 with M the advantage map (broadcast over steps when it has no K axis). The scalar baseline uses
 Flow-GRPO's all-dims ratio r = exp(mean_u l_new - mean_u l_old) per sample and step, with one
-advantage A per sample.
+advantage A per sample. `sample_ratio_spatial_loss` puts CAST's map inside that one ratio: the
+sample's ratio as every position's value, the map weighting each position's gradient.
 
 Diagnostics: ratio_k3 is Schulman's k3, mean((r - 1) - log r), of the loss's own ratio r: per
 position (spatial) or of the all-dims mean (scalar). It is not a KL per sample: log r there is a
@@ -167,6 +168,37 @@ def spatial_clipped_loss(
     loss = -(objective * weight_full).sum() / weight_full.sum().clamp_min(1.0)
     stats = _stats(log_ratio, adv, weight_full, clip_range, log_prob_new.dim() == 4)
     return PolicyLoss(loss, stats)
+
+
+def sample_ratio_spatial_loss(
+    log_prob_new: Tensor, log_prob_old: Tensor, adv_map: Tensor, clip_range: float
+) -> PolicyLoss:
+    """CAST's map inside one all-dims ratio per sample and step. log_prob_* [N, K, h, w] or
+    [N, h, w]; adv_map broadcastable to them. Each position's term has the value of the sample's
+    all-dims ratio r = exp(mean_u (l_new - l_old)) (Flow-GRPO's) and the gradient r grad l_new_u:
+        r~_u = exp(d_u - sg(d_u) + sg(mean_v d_v)),  d = l_new - l_old,
+        loss = -mean_{n, k, u} min(r~_u M_u, clip(r~_u, 1 - eps, 1 + eps) M_u),
+    so the clip decision is the sample's (as Flow-GRPO's) and a constant map M = A gives exactly
+    `scalar_clipped_loss` in value and gradient. Why not per-position ratios: sum_u r_u M_u =
+    sum_u M_u (1 + d_u + d_u^2 / 2 + ...) carries the term M_u d_u^2 / 2 whose gradient, once the
+    policy has moved within an iteration (the second and later optimizer steps), pushes every
+    position with M_u > 0 further from the rollout policy in whatever direction the first step
+    took (the per-position ratio is an arithmetic mean of ratios, above the sample's geometric
+    one); with the all-dims ratio that term is M (mean_u d_u)^2 / 2, about D times smaller.
+    `clip_range` is the all-dims range (Flow-GRPO's 1e-4 to 1e-3), not the per-position one."""
+    if log_prob_new.shape != log_prob_old.shape or log_prob_new.dim() not in (3, 4):
+        raise ValueError(
+            f"log-probs must share a shape [N, K, h, w] or [N, h, w]: got "
+            f"{tuple(log_prob_new.shape)} and {tuple(log_prob_old.shape)}"
+        )
+    adv = _align_map(adv_map, log_prob_new).detach()
+    d = log_prob_new - log_prob_old.detach()  # [N, K, h, w]
+    sample = d.mean(dim=(-2, -1), keepdim=True).detach()  # [N, K, 1, 1]
+    routed = (d - d.detach() + sample).exp()  # value: the sample's ratio; gradient: per position
+    objective = _clipped_objective(routed, adv, clip_range)  # [N, K, h, w]
+    weight = torch.ones_like(objective)
+    stats = _stats(sample.expand_as(d), adv, weight, clip_range, log_prob_new.dim() == 4)
+    return PolicyLoss(-objective.mean(), stats)
 
 
 def scalar_clipped_loss(

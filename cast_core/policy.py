@@ -75,6 +75,7 @@ from cast_core.lora import reference_mode
 from cast_core.loss import (
     PolicyLoss,
     gaussian_step_kl,
+    sample_ratio_spatial_loss,
     scalar_clipped_loss,
     spatial_clipped_loss,
     summed_kl,
@@ -98,7 +99,10 @@ def _count(name: str, value: int) -> None:
 class PolicyConfig:
     """Update settings. clip_range has no default: per-position ratios need a wider range than
     Flow-GRPO's scalar one (see ``loss.per_position_clip_range``). steps_per_epoch: optimizer
-    steps per pass over the samples; micro_batch: the most samples in one forward/backward."""
+    steps per pass over the samples; micro_batch: the most samples in one forward/backward.
+    map_ratio (spatial only): "position", a ratio per position (CAST's), or "sample", the map
+    inside the sample's all-dims ratio (``loss.sample_ratio_spatial_loss``; clip_range is then
+    the all-dims range)."""
 
     advantage: AdvantageKind
     clip_range: float
@@ -108,6 +112,7 @@ class PolicyConfig:
     micro_batch: int = 4
     max_grad_norm: float = 1.0
     ratio_tol: float = 1e-3
+    map_ratio: Literal["position", "sample"] = "position"
 
     def __post_init__(self) -> None:
         if self.advantage not in ("spatial", "scalar"):
@@ -115,6 +120,9 @@ class PolicyConfig:
                 f"PolicyConfig.advantage must be 'spatial' or 'scalar'; got {self.advantage!r}"
             )
         _positive("clip_range", self.clip_range, "use loss.per_position_clip_range for 'spatial'")
+        if self.map_ratio not in ("position", "sample"):
+            raise ValueError(f"PolicyConfig.map_ratio must be 'position' or 'sample'; got "
+                             f"{self.map_ratio!r}")
         if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0):
             raise ValueError(
                 f"PolicyConfig.kl_beta must be finite and >= 0 (0 = no KL); got {self.kl_beta!r}"
@@ -175,12 +183,12 @@ def _check_advantages(advantages: Tensor, rollout: Rollout, kind: AdvantageKind)
         )
 
 
-def _objective(
-    kind: AdvantageKind, new: Tensor, old: Tensor, adv: Tensor, clip: float
-) -> PolicyLoss:
-    if kind == "spatial":
-        return spatial_clipped_loss(new, old, adv, clip)
-    return scalar_clipped_loss(new, old, adv, clip)
+def _objective(config: PolicyConfig, new: Tensor, old: Tensor, adv: Tensor) -> PolicyLoss:
+    if config.advantage == "scalar":
+        return scalar_clipped_loss(new, old, adv, config.clip_range)
+    if config.map_ratio == "sample":
+        return sample_ratio_spatial_loss(new, old, adv, config.clip_range)
+    return spatial_clipped_loss(new, old, adv, config.clip_range)
 
 
 @dataclass(frozen=True)
@@ -210,9 +218,7 @@ def _micro_batch_backward(
         step = steps.select(steps=[k])
         replay = replay_steps(backbone, cond, uncond, step, spec)  # log_probs [n, 1, h, w]
         step_adv = adv[:, k : k + 1] if adv.dim() == 4 else adv  # this step's map
-        total = _objective(
-            config.advantage, replay.log_probs, step.log_probs, step_adv, config.clip_range
-        ).loss
+        total = _objective(config, replay.log_probs, step.log_probs, step_adv).loss
         if config.kl_beta > 0:
             with torch.no_grad(), reference_mode(backbone):
                 ref = replay_steps(backbone, cond, uncond, step, spec)
@@ -249,7 +255,7 @@ def _record(
     """(loss, UpdateStep statistics) of one step from its micro-batches' replays (in the order
     of `old` [m, K, h, w] and `adv`)."""
     new = torch.cat([p.log_probs for p in parts])  # [m, K, h, w]
-    full = _objective(config.advantage, new, old, adv, config.clip_range)
+    full = _objective(config, new, old, adv)
     policy_kl = summed_kl(new, old, channels)
     stats = full.stats
     fields = {

@@ -12,6 +12,7 @@ from cast_core.loss import (
     gaussian_kl,
     gaussian_step_kl,
     per_position_clip_range,
+    sample_ratio_spatial_loss,
     scalar_clipped_loss,
     spatial_clipped_loss,
     summed_kl,
@@ -39,6 +40,65 @@ def test_constant_map_at_ratio_one_equals_scalar_loss_and_grad():
     torch.testing.assert_close(g_s, g_c)
     # both equal -A / (N K h w) at r = 1
     torch.testing.assert_close(g_s, (-adv / (N * K * h * w))[:, None, None, None].expand_as(g_s))
+
+
+def _moved(old: torch.Tensor, scale: float, seed: int = 1) -> torch.Tensor:
+    """old plus a per-position move of about `scale` (a policy after an optimizer step)."""
+    g = torch.Generator().manual_seed(seed)
+    return old + scale * torch.randn(old.shape, generator=g, dtype=old.dtype)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.05, 0.5])
+def test_constant_map_inside_the_sample_ratio_is_the_scalar_loss_at_any_ratio(scale):
+    """A constant map A through `sample_ratio_spatial_loss` is Flow-GRPO's loss in value and
+    gradient, off-policy too; at scale 0.5 some samples' all-dims ratios are outside the clip
+    (0.1), and those get no gradient in both."""
+    old = _log_probs()
+    adv = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64)
+    new = _moved(old, scale)
+    new_m = new.clone().requires_grad_(True)
+    new_c = new.clone().requires_grad_(True)
+    mapped = sample_ratio_spatial_loss(new_m, old, adv[:, None, None].expand(N, h, w), 0.1)
+    scalar = scalar_clipped_loss(new_c, old, adv, 0.1)
+    torch.testing.assert_close(mapped.loss, scalar.loss)
+    (g_m,) = torch.autograd.grad(mapped.loss, new_m)
+    (g_c,) = torch.autograd.grad(scalar.loss, new_c)
+    torch.testing.assert_close(g_m, g_c)
+    torch.testing.assert_close(mapped.stats.clip_fraction, scalar.stats.clip_fraction)
+    if scale == 0.5:
+        assert 0 < float(scalar.stats.clip_fraction) < 1
+
+
+def test_per_position_ratios_carry_a_second_order_term_the_sample_ratio_does_not():
+    """Off-policy (after a move d), a constant positive map through per-position ratios has the
+    gradient A exp(d_u) / (N K h w) at each position: it grows with the position's own d_u
+    (the A d_u^2 / 2 term), while inside the sample ratio every position of a sample gets
+    A exp(mean d) / (N K h w)."""
+    old = _log_probs()
+    adv = torch.full((N,), 1.0, dtype=torch.float64)
+    new = _moved(old, 0.01).requires_grad_(True)
+    d = (new - old).detach()
+    per_position = spatial_clipped_loss(new, old, adv[:, None, None].expand(N, h, w), 10.0)
+    (g_p,) = torch.autograd.grad(per_position.loss, new)
+    torch.testing.assert_close(g_p, -d.exp() / (N * K * h * w))
+    sample = sample_ratio_spatial_loss(new, old, adv[:, None, None].expand(N, h, w), 10.0)
+    (g_s,) = torch.autograd.grad(sample.loss, new)
+    expected = -d.mean(dim=(-2, -1), keepdim=True).exp().expand_as(d) / (N * K * h * w)
+    torch.testing.assert_close(g_s, expected)
+
+
+def test_a_map_inside_the_sample_ratio_weights_each_positions_gradient():
+    """At ratio 1 a varying map has the same gradient through either ratio: -M_u / (N K h w)."""
+    old = _log_probs()
+    g = torch.Generator().manual_seed(3)
+    adv_map = torch.randn(N, h, w, generator=g, dtype=torch.float64)
+    new_p = old.clone().requires_grad_(True)
+    new_s = old.clone().requires_grad_(True)
+    (g_p,) = torch.autograd.grad(spatial_clipped_loss(new_p, old, adv_map, 0.1).loss, new_p)
+    (g_s,) = torch.autograd.grad(sample_ratio_spatial_loss(new_s, old, adv_map, 1e-3).loss,
+                                 new_s)
+    torch.testing.assert_close(g_s, g_p)
+    torch.testing.assert_close(g_s, (-adv_map / (N * K * h * w))[:, None].expand_as(g_s))
 
 
 def test_clipping_gradients_follow_the_min():

@@ -209,6 +209,28 @@ def test_scalar_and_constant_map_objectives_give_the_same_first_step_gradient():
     assert any(float(g.abs().max()) > 0 for g in scalar_grads)
 
 
+def _trained_lora(adv, **config):
+    """The LoRA after two optimizer steps (2 inner epochs) of AdamW at lr 3e-2 from one start."""
+    model, lora, out = _moved_lora(7)
+    optimizer = torch.optim.AdamW(lora, lr=3e-2, weight_decay=0.0)
+    config = PolicyConfig(max_grad_norm=1e9, micro_batch=4, inner_epochs=2, **config)
+    policy_update(model, optimizer, PROMPTS, out, SPEC, adv, config)
+    return [p.detach().clone() for p in lora]
+
+
+def test_a_constant_map_inside_the_sample_ratio_trains_as_flow_grpo_off_policy_too():
+    """Two steps: the second runs off-policy. The constant map inside the sample's all-dims ratio
+    ends on Flow-GRPO's LoRA; through per-position ratios it does not (their second-order term)."""
+    a = torch.tensor([0.7, -1.3, 2.0, 0.4])
+    constant = a[:, None, None].expand(4, 32, 32)
+    scalar = _trained_lora(a, advantage="scalar", clip_range=10.0)  # no clipping anywhere:
+    sample = _trained_lora(constant, advantage="spatial", clip_range=10.0, map_ratio="sample")
+    position = _trained_lora(constant, advantage="spatial", clip_range=10.0)  # the ratio only
+    for s, c in zip(sample, scalar):
+        torch.testing.assert_close(s, c, rtol=1e-4, atol=1e-6)
+    assert max(float((p - c).abs().max()) for p, c in zip(position, scalar)) > 1e-4
+
+
 def test_steps_per_epoch_sets_optimizer_steps_samples_and_the_lr_schedule():
     model = _model(7)
     lora = add_lora(model, rank=2, alpha=2.0)

@@ -261,13 +261,19 @@ class TrainSection(Section):
     iteration at lr 4e-4 on the shapes pool; CAST's map more), and at lr 1e-3 Flow-GRPO's move
     grew from 0.03-0.06 nats in its first 13 iterations to 0.1-0.6 after, where its images broke
     (reports/learning-probes section 7). SDE objective only: the ODE rollouts of NFT have no
-    likelihood to measure the move with."""
+    likelihood to measure the move with.
+
+    `map_ratio` (ours; spatial credit only): "position" gives each position its own PPO ratio
+    (CAST's), "sample" puts the map inside the sample's all-dims ratio, so that a constant map is
+    exactly Flow-GRPO's loss; the per-position ratio's second-order term pushes positive-credit
+    positions away from the rollout policy after the first optimizer step of an iteration
+    (`cast_core.loss.sample_ratio_spatial_loss`)."""
 
     unpinned: ClassVar[tuple[str, ...]] = ("micro_batch",)
     hash_if_set: ClassVar[tuple[str, ...]] = (
         "objective", "nft_beta", "nft_t_min", "nft_t_max", "nft_a_max", "nft_adaptive_weight",
         "nft_centre", "nft_guidance", "kl_target_nats", "kl_lr_factor", "kl_lr_floor",
-        "kl_lr_ceiling")
+        "kl_lr_ceiling", "map_ratio")
 
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
@@ -296,6 +302,10 @@ class TrainSection(Section):
                                description="the targeted lr stays >= this multiple of lr")
     kl_lr_ceiling: float = Field(10.0, ge=1.0,
                                  description="the targeted lr stays <= this multiple of lr")
+    map_ratio: Literal["position", "sample"] = Field(
+        "position", description="spatial credit: a PPO ratio per position (CAST's) or the map "
+        "inside the sample's all-dims ratio (cast_core.loss.sample_ratio_spatial_loss; then "
+        "clip_range is the all-dims range)")
 
     @model_validator(mode="after")
     def _t_range(self) -> TrainSection:

@@ -110,7 +110,8 @@ def policy_config(recipe: Recipe, loss_kind: str) -> PolicyConfig:
     tr = recipe.train
     return PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range, kl_beta=tr.kl_beta,
                         inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
-                        micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
+                        micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm,
+                        map_ratio=tr.map_ratio)
 
 
 
