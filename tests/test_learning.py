@@ -73,9 +73,10 @@ def train_and_evaluate(store: Store, recipe, iterations: int) -> tuple[float, fl
     return mean_score(store, recipe, -1), mean_score(store, recipe, iterations - 1)
 
 
-CAST_GAP = ("measured on 2026-12-03: 0.668 -> 0.721 (+0.052) with own heatmaps and spatial_mix 0.5; "
-            "0.668 -> 0.648 (-0.020) with the recipe's group_others heatmaps and the full map: "
-            "CAST does not yet overfit one prompt in 12 iterations (issue 17, open)")
+CAST_GAP = ("measured 2026-12-07 on this footing, seeds 0 / 1 / 2: -0.092 / +0.052 / +0.073 "
+            "with the recipe's per-position ratios; with the map inside each sample's all-dims "
+            "ratio (train.map_ratio = 'sample') +0.333 / +0.253 / -0.022: CAST does not overfit "
+            "one prompt in 12 iterations on the recipe (reports/one-prompt-footing)")
 
 
 @pytest.mark.slow
