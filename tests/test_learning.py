@@ -12,9 +12,10 @@ Measured on this footing (`benchmarks/overfit_curve.py`, one thread, seeds 0 / 1
 and the summary are in reports/one-prompt-footing): Flow-GRPO +0.415 / +0.277 / +0.215 after 12
 iterations (768 samples); with its advantage's sign flipped in the training stage (a hand check)
 seed 0 went 0.172 -> 0.068 by iteration 4, so the test measures the update's direction, not
-drift. CAST does not reach the margin (an expected failure, see `CAST_GAP`): its atom credit, with
-the heatmaps or without them, learns far less than the scalar advantage on this prompt (the
-report's one-change arms).
+drift. CAST does not reach the margin (an expected failure, see `CAST_GAP`): on this prompt the
+recipe's per-position ratios stop any credit from learning (Flow-GRPO's own scalar advantage
+through them gained +0.040 on average), and CAST's map inside each sample's all-dims ratio gained
++0.188 (the report's one-change arms).
 
 The earlier footing (CFG 4, a constant lr 3e-3, 16 samples an iteration, LoRA rank 8) passed
 on one seed of a process whose spread over seeds was about +-0.3 (reports/learning-probes,
