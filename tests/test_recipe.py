@@ -292,3 +292,11 @@ def test_a_later_field_at_its_default_leaves_the_stage_keys_unchanged():
     assert recipe.section_hash("advantage") == before
     peak = load_recipe(RECIPES / "shapes-cast.toml", {**defaults, "advantage.heatmap_norm": "peak"})
     assert peak.section_hash("advantage") != before
+
+
+def test_map_inside_the_sample_ratio_needs_the_all_dims_clip_range():
+    ok = load_recipe(RECIPES / "shapes-cast.toml",
+                     {"train.map_ratio": "sample", "train.clip_range": 1e-3})
+    assert ok.train.map_ratio == "sample"
+    with pytest.raises(RecipeError, match="never clip"):
+        load_recipe(RECIPES / "shapes-cast.toml", {"train.map_ratio": "sample"})

@@ -53,8 +53,8 @@ FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
          ("cast-peak-norm", {"advantage.heatmap_norm": "peak"},
           "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"),
          ("cast-sample-ratio", {"train.map_ratio": "sample", "train.clip_range": 1e-3},
-          "cast with its map inside each sample's all-dims ratio (Flow-GRPO's, clip 1e-3) "
-          "instead of a ratio per position"),
+          ("cast with its map inside each sample's all-dims ratio (Flow-GRPO's, clip 1e-3) "
+           "instead of a ratio per position")),
          ("cast-own-heatmaps", {"advantage.heatmap_source": "own"},
           ("cast with each sample's credit through its own heatmaps (the paper's), which its "
            "own actions drew, instead of its group's other samples'")))

@@ -121,6 +121,11 @@ class Recipe(Section):
                              f"recast.positives to a folder of images from a stronger generator "
                              f"in GenEval's output layout (<folder>/<NNNNN>/metadata.jsonl and "
                              f"samples/*.png), or use weighting 'static'")
+        if self.train.map_ratio == "sample" and self.train.clip_range > 0.01:
+            raise ValueError(f"train.map_ratio = 'sample' clips each sample's all-dims ratio, "
+                             f"whose log is a mean over every dimension: train.clip_range = "
+                             f"{self.train.clip_range:g} would never clip; use Flow-GRPO's range "
+                             f"(1e-4 to 1e-3)")
         self._ray_devices()
         return self
 
