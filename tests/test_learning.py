@@ -10,13 +10,13 @@ of the rollouts used, by at least 0.2 within `ITERATIONS` iterations.
 
 Measured on this footing (`benchmarks/overfit_curve.py`, one thread, seeds 0 / 1 / 2; the rows
 and the summary are in reports/one-prompt-footing): Flow-GRPO +0.415 / +0.277 / +0.215 / +0.064 /
-+0.284 after 12 iterations (768 samples, seeds 0-4; the test runs seed 0, so it pins one draw of
-a process that missed the margin on one seed of five); with its advantage's sign flipped in the training stage (a hand check)
-seed 0 went 0.172 -> 0.068 by iteration 4, so the test measures the update's direction, not
-drift. CAST does not reach the margin (an expected failure, see `CAST_GAP`): on this prompt the
-recipe's per-position ratios stop any credit from learning (Flow-GRPO's own scalar advantage
-through them gained +0.065 on average over seeds 0-4), and CAST's map inside each sample's all-dims ratio gained
-+0.188 (the report's one-change arms).
++0.284 after 12 iterations (768 samples, seeds 0-4; the test runs seed 0, so it pins one
+draw of a process that missed the margin on one seed of five). With its advantage's sign
+flipped in the training stage (a hand check) seed 0 went 0.172 -> 0.032 by iteration 12, so the
+test measures the update's direction, not drift. CAST does not reach the margin (an expected
+failure, see `CAST_GAP`): on this prompt the recipe's per-position ratios keep any credit from
+learning much (Flow-GRPO's own scalar advantage through them gained +0.065 on average over seeds
+0-4), and CAST's map inside each sample's all-dims ratio gained +0.188 (the report's one-change arms).
 
 The earlier footing (CFG 4, a constant lr 3e-3, 16 samples an iteration, LoRA rank 8) passed
 on one seed of a process whose spread over seeds was about +-0.3 (reports/learning-probes,
