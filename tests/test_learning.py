@@ -8,7 +8,7 @@ the first iteration and then each iteration's lr set to move the policy 0.1 nats
 window step. Both methods must raise the prompt's mean atom score, on 32 images with noise none
 of the rollouts used, by at least 0.2 within `ITERATIONS` iterations.
 
-Measured on this footing (`benchmarks/overfit_curve.py`, one thread, seeds 0 / 1 / 2; the rows
+Measured on this footing (`benchmarks/overfit_curve.py`, one thread; the rows
 and the summary are in reports/one-prompt-footing): Flow-GRPO +0.415 / +0.277 / +0.215 / +0.064 /
 +0.284 after 12 iterations (768 samples, seeds 0-4; the test runs seed 0, so it pins one
 draw of a process that missed the margin on one seed of five). With its advantage's sign
