@@ -295,8 +295,10 @@ def test_a_later_field_at_its_default_leaves_the_stage_keys_unchanged():
 
 
 def test_map_inside_the_sample_ratio_needs_the_all_dims_clip_range():
-    ok = load_recipe(RECIPES / "shapes-cast.toml",
-                     {"train.map_ratio": "sample", "train.clip_range": 1e-3})
-    assert ok.train.map_ratio == "sample"
+    cast = load_recipe(RECIPES / "shapes-cast.toml")
+    assert (cast.train.map_ratio, cast.train.clip_range) == ("sample", 1e-3)
+    position = load_recipe(RECIPES / "shapes-cast.toml",
+                           {"train.map_ratio": "position", "train.clip_range": 0.032})
+    assert position.train.map_ratio == "position"
     with pytest.raises(RecipeError, match="never clip"):
-        load_recipe(RECIPES / "shapes-cast.toml", {"train.map_ratio": "sample"})
+        load_recipe(RECIPES / "shapes-cast.toml", {"train.clip_range": 0.032})

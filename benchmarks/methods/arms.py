@@ -52,9 +52,9 @@ FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
           "cast with per-position clip range 0.01 instead of 0.032"),
          ("cast-peak-norm", {"advantage.heatmap_norm": "peak"},
           "cast with heatmaps scaled to peak 1, not mean 1 (no A / area on small objects)"),
-         ("cast-sample-ratio", {"train.map_ratio": "sample", "train.clip_range": 1e-3},
-          ("cast with its map inside each sample's all-dims ratio (Flow-GRPO's, clip 1e-3) "
-           "instead of a ratio per position")),
+         ("cast-position-ratio", {"train.map_ratio": "position", "train.clip_range": 0.032},
+          ("cast with a ratio per position (the paper's, clip 1e-3 x sqrt(32 x 32)) instead "
+           "of its map inside each sample's all-dims ratio")),
          ("cast-own-heatmaps", {"advantage.heatmap_source": "own"},
           ("cast with each sample's credit through its own heatmaps (the paper's), which its "
            "own actions drew, instead of its group's other samples'")))
