@@ -12,27 +12,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the methods package, loaded by path
+
+from methods import stats
 
 from tasks.reporting.markdown import table
 
-# Two-sided 95% Student t quantiles by degrees of freedom.
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
-
 
 def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the 95% Student t-interval over `values` (n >= 2)."""
-    n = len(values)
-    mean = statistics.fmean(values)
-    if n < 2:
-        return mean, float("nan"), float("nan")
-    half = T95.get(n - 1, 1.96) * statistics.stdev(values) / n ** 0.5
-    return mean, mean - half, mean + half
+    """(mean, low, high): the benchmark's 95% Student t-interval over `values` (nan bounds for
+    one value)."""
+    ci = stats.t_interval(values)
+    nan = float("nan")
+    return ci.mean, nan if ci.low is None else ci.low, nan if ci.high is None else ci.high
 
 
 def gains(path: Path, iteration: int) -> dict[int, float]:
