@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="read the runs the store holds finished as they are (whatever code "
                              "wrote them) and train only the others, e.g. new arms beside a "
                              "finished baseline after a code change")
+    parser.add_argument("--runs-as", action="append", default=[], metavar="ARM=STORED",
+                        help="read and write ARM's runs as <prefix>-STORED-s<seed> (repeatable), "
+                             "e.g. runs trained before the arm's recipe changed name; the run "
+                             "pin refuses runs trained with another recipe")
     for flag in ("seeds", "iterations", "per-iteration", "group-size", "probe-images",
                  "pool-images", "hard-images", "eval-images", "held-out-prompts"):
         parser.add_argument(f"--{flag}", type=int, default=None,
@@ -150,6 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         settings = parse_settings(args.set)
     except ValueError as e:
         parser.error(str(e))
+    aliases = {}
+    for pair in args.runs_as:
+        arm, sep, stored = pair.partition("=")
+        if not sep or not arm.strip() or not stored.strip():
+            parser.error(f"--runs-as takes ARM=STORED (e.g. cast=cast-sample-ratio); got {pair!r}")
+        aliases[arm.strip()] = stored.strip()
     protocol = _protocol_from_args(args)
     size = protocol.size
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                   command.strip(), args.suite, protocol.lr, only, quick=args.quick,
                   guidance=protocol.guidance, pool_prompts=protocol.pool_prompts, jobs=args.jobs,
                   kl_target=protocol.kl_target, settings=settings, report_only=args.report_only,
-                  reuse_finished=args.reuse_finished)
+                  reuse_finished=args.reuse_finished, aliases=aliases)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from methods.protocols import (
     pool_file,
     recipe_for,
     run_name,
+    runs_as,
     with_eval,
 )
 from methods.report import what_was_tried
@@ -176,6 +177,20 @@ def test_paired_gain_cancels_prompt_effects():
 
 
 # ---- protocol -----------------------------------------------------------------------------
+
+
+def test_runs_as_renames_an_arms_runs_within_the_block_and_refuses_clashes():
+    with runs_as({"cast": "cast-old", "cast-new": "cast"}, ["flowgrpo", "cast", "cast-new"]):
+        assert run_name("bench", "cast", 2) == "bench-cast-old-s2"
+        assert run_name("bench", "cast-new", 0) == "bench-cast-s0"
+        assert run_name("bench", "flowgrpo", 1) == "bench-flowgrpo-s1"
+    assert run_name("bench", "cast", 2) == "bench-cast-s2"  # restored after the block
+    with pytest.raises(ValueError, match="two arms the run name"), \
+            runs_as({"cast-new": "cast"}, ["cast", "cast-new"]):
+        pass
+    with pytest.raises(ValueError, match="not run"), runs_as({"nope": "x"}, ["cast"]):
+        pass
+    assert run_name("bench", "cast-new", 0) == "bench-cast-new-s0"
 
 
 def test_sizes_and_samples_seen():

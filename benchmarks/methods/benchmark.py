@@ -17,6 +17,7 @@ from methods.protocols import (
     pool_file,
     recipe_for,
     run_name,
+    runs_as,
 )
 from methods.report import write_report
 from methods.run import evaluate_base, finished_refs, train_runs
@@ -30,7 +31,8 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
                   quick: bool = False, guidance: float | None = None,
                   pool_prompts: int | None = None, jobs: int = 1,
                   kl_target: float | None = None, settings: dict | None = None,
-                  report_only: bool = False, reuse_finished: bool = False) -> dict:
+                  report_only: bool = False, reuse_finished: bool = False,
+                  aliases: dict[str, str] | None = None) -> dict:
     """Train every arm x seed with its probes, evaluate finals and base, summarise from the
     store, write report.md and figures.json -> {"summary", "recast", "report", "figures",
     "wall_s"}. With `report_only` nothing runs: the report is written from the latest finished
@@ -39,7 +41,19 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     the base evaluation) that the store holds finished are read so, and only the others run: arms
     added to a finished store after a code change train alone (the report's recipes table says
     which code each run's records carry only through their keys; that the results do not depend
-    on it is for the caller to know)."""
+    on it is for the caller to know). `aliases` {arm: stored name} reads and writes an arm's runs
+    under another name (`methods.protocols.runs_as`), e.g. runs trained before the arm's recipe
+    was renamed; the run pin checks that they were trained with the arm's recipe."""
+    names = [a.name for a in select_arms(suite, only)]
+    with runs_as(aliases or {}, names):
+        return _run_benchmark(size, store_dir, report_dir, prefix, threads, command, suite, lr,
+                              only, quick, guidance, pool_prompts, jobs, kl_target, settings,
+                              report_only, reuse_finished, aliases or {})
+
+
+def _run_benchmark(size, store_dir, report_dir, prefix, threads, command, suite, lr, only, quick,
+                   guidance, pool_prompts, jobs, kl_target, settings, report_only,
+                   reuse_finished, aliases) -> dict:
     from tasks.stages.prompt_sets import load_prompts
     from tasks.store.run_pin import pin_recipe
     from tasks.store.store import Store
@@ -85,7 +99,7 @@ def run_benchmark(size: Size, store_dir: str | Path, report_dir: str | Path, pre
     setup = {"arms": names, "arm_defs": arm_defs, "seeds": seeds, "size": size, "prefix": prefix,
              "store": store, "command": command, "skipped": skipped, "quick": quick,
              "wall_s": time.perf_counter() - start, "passes": passes,
-             "recipes": {a: recipes[(a, 0)] for a in names},
+             "recipes": {a: recipes[(a, 0)] for a in names}, "aliases": aliases,
              "recast": recipes[("recast-equal", 0)].recast if with_recast else None}
     written = write_report(Path(report_dir), sm, res, setup, rs)
     print(f"wall time {setup['wall_s']:.1f} s; report {written['report']}")

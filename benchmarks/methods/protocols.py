@@ -20,6 +20,7 @@ noise. Evaluations (the evaluate stage, one `evals` part per split; `eval_passes
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -147,8 +148,37 @@ def with_eval(recipe, p: EvalPass):
 
 
 
+# The store's name for an arm's runs where it differs from the arm's own (`runs_as`): the runs of
+# an arm whose definition was renamed after they were trained are read under the name they were
+# trained with. The run pin (tasks.store.run_pin) refuses an alias whose runs were trained with
+# another recipe, so an alias cannot pass one method's runs off as another's.
+_RUNS_AS: dict[str, str] = {}
+
+
 def run_name(prefix: str, arm: str, seed: int) -> str:
-    return f"{prefix}-{arm}-s{seed}"
+    return f"{prefix}-{_RUNS_AS.get(arm, arm)}-s{seed}"
+
+
+@contextmanager
+def runs_as(aliases: dict[str, str], arms: list[str]):
+    """Within the block, arm a's runs are `{prefix}-{aliases[a]}-s{seed}`; every aliased arm must
+    be among `arms`, and no two arms may end up with one run name."""
+    unknown = sorted(set(aliases) - set(arms))
+    if unknown:
+        raise ValueError(f"--runs-as names arms that are not run: {unknown}; arms are {arms}")
+    stored = [aliases.get(a, a) for a in arms]
+    clash = sorted({s for s in stored if stored.count(s) > 1})
+    if clash:
+        raise ValueError(f"--runs-as gives two arms the run name(s) {clash}: alias the arm that "
+                         f"holds the name too (e.g. cast=cast-old,cast-new=cast)")
+    previous = dict(_RUNS_AS)
+    _RUNS_AS.clear()
+    _RUNS_AS.update(aliases)
+    try:
+        yield
+    finally:
+        _RUNS_AS.clear()
+        _RUNS_AS.update(previous)
 
 
 def pool_file(store, prompts: int | None) -> str:

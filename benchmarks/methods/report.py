@@ -140,6 +140,10 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
         f"read from that store's `evals`, `stages`, `windows` and `train_steps` tables and the "
         f"evaluate stage's per-image score blobs. This invocation took "
         f"{setup['wall_s'] / 60:.1f} min ({setup['skipped']} stages skipped as already done).")
+    if setup.get("aliases"):
+        provenance += (" Runs read under another name (`--runs-as`, checked against each run's "
+                       "pinned recipe): " + ", ".join(f"{a} as `{prefix}-{s}-s<seed>`"
+                                                      for a, s in setup["aliases"].items()) + ".")
     md = ["# CAST vs Flow-GRPO on the shapes world", "", provenance, "", "## Setup", "",
           *_setup_lines(sm, res, setup), "",
           "## Against the targets (figures.json)", "", figures_text(entries), "",
