@@ -61,15 +61,12 @@ number of optimizer steps per pass is ``steps_per_epoch``. The update is ours to
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from cast_core.checks import require_count, require_positive
 from cast_core.data_parallel import SOLO, Shard, all_reduce_grads, gather_rows
 from cast_core.lora import reference_mode
 from cast_core.loss import (
@@ -80,93 +77,12 @@ from cast_core.loss import (
     spatial_clipped_loss,
     summed_kl,
 )
+from cast_core.policy_config import AdvantageKind, PolicyConfig, UpdateStep
 from cast_core.rollout import Rollout, RolloutSpec, replay_steps
 from cast_core.sampling import encode_conditioning
 from cast_core.sde import block_mean
 
-AdvantageKind = Literal["spatial", "scalar"]
-
-
-def _positive(name: str, value: float, fix: str) -> None:
-    require_positive("PolicyConfig", name, value, fix)
-
-
-def _count(name: str, value: int) -> None:
-    require_count("PolicyConfig", name, value)
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Update settings. clip_range has no default: per-position ratios need a wider range than
-    Flow-GRPO's scalar one (see ``loss.per_position_clip_range``). steps_per_epoch: optimizer
-    steps per pass over the samples; micro_batch: the most samples in one forward/backward.
-    map_ratio (spatial only): "position", a ratio per position (CAST's), or "sample", the map
-    inside the sample's all-dims ratio (``loss.sample_ratio_spatial_loss``; clip_range is then
-    the all-dims range)."""
-
-    advantage: AdvantageKind
-    clip_range: float
-    kl_beta: float = 0.0
-    inner_epochs: int = 1
-    steps_per_epoch: int = 1
-    micro_batch: int = 4
-    max_grad_norm: float = 1.0
-    ratio_tol: float = 1e-3
-    map_ratio: Literal["position", "sample"] = "position"
-
-    def __post_init__(self) -> None:
-        if self.advantage not in ("spatial", "scalar"):
-            raise ValueError(
-                f"PolicyConfig.advantage must be 'spatial' or 'scalar'; got {self.advantage!r}"
-            )
-        _positive("clip_range", self.clip_range, "use loss.per_position_clip_range for 'spatial'")
-        if self.map_ratio not in ("position", "sample"):
-            raise ValueError(f"PolicyConfig.map_ratio must be 'position' or 'sample'; got "
-                             f"{self.map_ratio!r}")
-        if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0):
-            raise ValueError(
-                f"PolicyConfig.kl_beta must be finite and >= 0 (0 = no KL); got {self.kl_beta!r}"
-            )
-        _count("inner_epochs", self.inner_epochs)
-        _count("steps_per_epoch", self.steps_per_epoch)
-        _count("micro_batch", self.micro_batch)
-        _positive("max_grad_norm", self.max_grad_norm, "e.g. 1.0")
-        _positive("ratio_tol", self.ratio_tol, "e.g. 1e-3")
-
-
-@dataclass(frozen=True)
-class UpdateStep:
-    """One optimizer step: `step` is its index within the epoch, `samples` how many samples it
-    used, `lr` the lr it ran with. loss (objective + kl_beta ref_kl_mean_dim) and the statistics
-    are floats over all the step's samples, window steps and positions (as if from one
-    micro-batch); ratio_mean_per_step and clip_fraction_per_step have K entries (window-step
-    order). policy_kl_nats / policy_kl_k1_nats: KL(rollout policy || current) per sample and
-    window step, summed over dims (k3, k1); ratio_k3: k3 of the loss's own ratio, not a KL per
-    sample; ref_kl_nats / ref_kl_mean_dim: exact KL to the reference summed over dims / its mean
-    over dims, None when kl_beta = 0. grad_norm is the norm before clipping; first_ratio_ok is
-    None except on the first step."""
-
-    epoch: int
-    step: int
-    samples: int
-    lr: float
-    loss: float
-    clip_fraction: float
-    ratio_mean: float
-    ratio_std: float
-    ratio_k3: float
-    adv_mass: float
-    policy_kl_nats: float
-    policy_kl_k1_nats: float
-    ref_kl_nats: float | None
-    ref_kl_mean_dim: float | None
-    grad_norm: float
-    skipped: bool
-    skip_reason: str | None
-    first_ratio_ok: bool | None
-    ratio_mean_per_step: tuple[float, ...]
-    clip_fraction_per_step: tuple[float, ...]
-
+__all__ = ["AdvantageKind", "PolicyConfig", "UpdateStep", "policy_update", "update_kl_nats"]
 
 def _check_advantages(advantages: Tensor, rollout: Rollout, kind: AdvantageKind) -> None:
     n, k, h, w = rollout.log_probs.shape
