@@ -16,9 +16,11 @@ Sets:
   the seventh) and tests/data/compositional_heldout7.jsonl (375 prompts written before the seventh
   round, which guided the eighth) and tests/data/compositional_heldout8.jsonl (332 prompts written
   before the eighth round, which guided the ninth) and tests/data/compositional_heldout9.jsonl
-  (361 prompts written before the ninth round and not tuned to afterwards), each with its intended
-  graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline grammar,
-  so a refusal of it is right (counted apart);
+  (361 prompts written before the ninth round, which guided the tenth) and
+  tests/data/compositional_heldout10.jsonl (352 prompts written before the tenth round, which
+  also used its refusals: its figure after that round is not a held-out one), each with its
+  intended graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline
+  grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
   JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
@@ -60,7 +62,7 @@ HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout3.jsonl", "compositional_heldout4.jsonl",
             "compositional_heldout5.jsonl", "compositional_heldout6.jsonl",
             "compositional_heldout7.jsonl", "compositional_heldout8.jsonl",
-            "compositional_heldout9.jsonl")
+            "compositional_heldout9.jsonl", "compositional_heldout10.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:

@@ -1,5 +1,5 @@
 """The offline parser on compositional prompts: a hand-written table of exact graphs, a negative
-table of refusals with their named reasons, question forms per atom kind, noun lists, input types
+table of refusals (tests/test_csg_negative.py), question forms per atom kind, noun lists, input types
 and limits, and no silently wrong graph on the held-out list."""
 
 from __future__ import annotations
@@ -141,203 +141,6 @@ def test_atoms_keep_kind_order_and_parents():
                     ("rel0", "relation", "on top of", ("obj0", "obj1"))]
 
 
-NEGATIVE = [
-    ("a teal car chasing a red ball", "verb ('chasing')"),
-    ("a dog chasing two cats", "verb ('chasing')"),
-    ("a woman holding a striped umbrella", "verb ('holding')"),
-    ("three cats sleeping", "verb ('sleeping')"),
-    ("a cat that is black", "nested clause"),
-    ("a dog which chases a cat", "nested clause"),
-    ("a cat sitting", "verb ('sitting')"),
-    ("a cat sitting with a dog", "verb ('sitting')"),
-    ("a dog; the dog sleeping on a rug", "verb ('sleeping')"),
-    ("a car next to a truck; the truck parked next to a house", "verb ('parked')"),
-    ("a cat sitting on", "relation 'sitting on' must be followed by a noun phrase"),
-    ("a cup onto a table", "relation 'onto' is not one"),
-    ("a cat across a road", "relation 'across' is not one"),
-    ("a cat by", "relation 'by' must be followed by a noun phrase"),
-    ("a house surrounded by trees", "verb ('surrounded')"),
-    ("a red-and-zesty kite", "['red-and-zesty'] before the noun 'kite'"),
-    ("a lamp between two chairs and a sofa", "or two of one ('a lamp between a bed and a desk')"),
-    ("a lamp between a bed and two chairs", "not 'a bed or two chairs'"),
-    ("a lamp between a bed, a desk and a sofa", "followed by a list of more than two"),
-    ("a lamp in between a bed and a desk on a rug", "'on' follows 'between A and B'"),
-    ("a dog between a cat", "'between' needs one noun phrase of two or more"),
-    ("a painting of a cat next to a plate", "'of' phrase ('painting of a')"),
-    ("a statue of a horse", "'of' phrase ('statue of a')"),
-    ("a red pair of blue shoes", "'pair of', which the offline parser reads only as"),
-    ("a pair of zesty skis next to a snowman", "'pair of', which the offline parser reads only as"),
-    ("a red cup of green tea", "gives an attribute kind twice, before and after 'of'"),
-    ("a bottle of red wine next to two glasses", "'red wine' in 'a bottle of red wine' may be one noun"),
-    ("a glass of white wine", "'white wine' in 'a glass of white wine' may be one noun"),
-    ("a torn paper bag under a desk", "or a bag whose material is paper"),
-    ("a painting of red roses", "'of' phrase ('painting of red')"),
-    ("a horse on a field of grass next to a barn", "a chain goes through 'a field of grass'"),
-    ("a dog; the dog's tail is fluffy", "names a part ('tail')"),
-    ("a dog; the dog's bowls are red", "names a plural, with no count ('bowls')"),
-    ("a cat and a collar; the cat's collar is red", "a collar was written before, not with the cat"),
-    ("the cat's collar's bell is red", "a possessive subject only as 'the X's Y is ...'"),
-    ("a dog; the dog's collar is on a table", "reads 'X's' only before a part"),
-    ("a cup of zesty tea", "'zesty tea' after 'cup of'"),
-    ("a zesty cup of tea", "['zesty'] before the noun 'cup'"),
-    ("a cup of a tea", "not part of a noun: ['a']"),
-    ("a bowl of fruit of trees", "'of' 2 times"),
-    ("a cups of tea", "'cups' in 'a cups of tea' does not agree with its count 1"),
-    ("a cup of tea; the cups are red", "'the cups' names no noun phrase"),
-    ("a table without chairs", "relation 'without' is not one"),
-    ("a cat to the left a dog", "relation form 'to the left a'"),
-    ("a cat to the left of", "relation 'to the left of' must be followed by a noun phrase"),
-    ("to the left of a dog", "relation 'to the left of' needs a noun phrase before it"),
-    ("a cat next to a dog, a bird and a fish above a tree", "follows a list of objects"),
-    ("a cat and a dog with a red collar", "'with' follows a list of noun phrases"),
-    ("a boy, a girl and a man with a kite next to a tree", "'with' follows a list of noun phrases"),
-    ("a girl on a bench with a dog", "'with' follows the relation 'on' in a chain"),
-    ("a bike across a road and under a window", "relation 'across' is not one"),
-    ("two fish in a bowl with a plant", "'with' follows the relation 'in' in a chain"),
-    ("a squirrel in a tree next to a house",
-     "'a tree' is neither a garment nor a container the vocabulary lists"),
-    ("a pig in the mud next to a goat", "a chain goes through 'the mud', a ground or scene"),
-    ("a castle behind a lake with two swans", "only 'A with B rel C with D' reads D as C's"),
-    ("a man next to a woman with a dog", "'with' follows the relation 'next to' in a chain"),
-    ("a gate; the gate is made of bricks", "verb ('made')"),
-    ("a wooden vase made of glass", "gives its material twice"),
-    ("a vase made of zesty", "verb ('made')"),
-    ("a cat left of a dog and and above a box", "relation 'above' needs a noun phrase before"),
-    ("a cat and left of a dog", "needs a relation before it"),
-    ("a teal car", None),
-    ("seven glass sheep", None),
-    ("a groggy cat", "['groggy'] before the noun 'cat'"),
-    ("a velvety-ish car", "['velvety-ish'] before the noun 'car'"),
-    ("a traffic sign", "['traffic'] before the noun 'sign'"),
-    ("a gold wedding ring", "['wedding'] before the noun 'ring'"),
-    ("a dog barking at a cat", "verb ('barking')"),
-    ("a glass sheep dog", "['sheep'] before the noun 'dog'"),
-    ("a wooden", "'wooden' in 'a wooden' is an attribute (material), not a noun"),
-    ("two striped", "'striped' in 'two striped' is an attribute (pattern), not a noun"),
-    ("a red blue car", "['blue'] repeats a kind"),
-    ("an old broken fence", "['broken'] repeats a kind"),
-    ("a black and white", "'white' in 'a black and white' is an attribute (color)"),
-    ("a black and a white cat", "'black' in 'a black' is an attribute (color)"),
-    ("a light car", "['light'] before the noun 'car'"),
-    ("the cat next to a dog", "'the cat' names no noun phrase written before it"),
-    ("a cat next to the dogs", "'the dogs' names no noun phrase written before it"),
-    ("a cat next to the dog; the dogs are brown", "'the dogs' names no noun phrase"),
-    ("two dogs; the dog is brown", "'the dog' names no noun phrase written before it (before it:"),
-    ("a cat; the dogs are brown", "'the dogs' names no noun phrase"),
-    ("a red book and a blue book; the book is next to a lamp", "'the book' could name any of"),
-    ("a blue cup; the cup is red", "'red', but its color was written as 'blue'"),
-    ("a cup; the cup is zesty", "['zesty'] after 'the cup is' is not an attribute word"),
-    ("a cup; the cup is wearing a hat", "verb ('wearing')"),
-    ("a cup; the cup is red and next to a plate", "or one relation ('the cup is next to"),
-    ("a cup; the cup is", "gives an attribute kind twice or nothing"),
-    ("a cat next to the cat", "it relates 'a cat' to 'the cat', the same noun phrase"),
-    ("a cat next to a dog; the cat is next to the dog", "the same two noun phrases twice"),
-    ("a cat;", "empty statement"),
-    ("a cat next to a dog; the dog", "statement 'the dog' only names noun phrases"),
-    ("a cat; ; a dog", "empty statement"),
-    ("a cup that is red", "nested clause"),
-    ("a teddy bear next to a bear; the bear is brown", "'the bear' could name any of"),
-    ("a wine glass and a glass of water; the glass is tall", "'the glass' could name any of"),
-    ("a penguin on an iceberg and two seals near the sheep", "'the sheep' names no noun phrase"),
-    ("a red book next to a lamp and a cat on the blue book", "'the blue book' names no noun phrase"),
-    ("a lamp; the lamp is next to a bed; the chair is red", "'the chair' names no noun phrase"),
-    ("the dogs are brown", "'the dogs' names no noun phrase"),
-    ("a blue whale below a small boat", "'blue whale' in 'a blue whale' may be one noun"),
-    ("a boat below the blue whale", "'blue whale' in 'the blue whale' may be one noun"),
-    ("three cars parked in a row", "'in a row' reads as an arrangement"),
-    ("a cat, a dog and a bird next to each other", "'each other' is read only as"),
-    ("a cat and a dog on top of each other", "'each other' is read only as"),
-    ("a cat next to each other", "'each other' is read only as"),
-    ("three cats flying", "verb ('flying')"),
-    ("a cup; the cup that is red is big", "nested clause"),
-    ("several cats", "not 'several'"),
-    ("some apples on a table", "a count that names no number ('some apples')"),
-    ("a few birds on a wire", "a count that names no number ('a few')"),
-    ("twelve roses in a vase", "a count above ten ('twelve roses')"),
-    ("a dozen eggs in a carton", "a count above ten ('a dozen')"),
-    ("two dozen eggs in a carton", "a count above ten ('two dozen')"),
-    ("a cat next to 12 dogs", "a count above ten ('12 dogs')"),
-    ("a wicker basket full of red apples", "it has 'full of'"),
-    ("a snowman in the middle of a field", "it has 'the middle of'"),
-    ("a chair in the corner of a room", "it has 'the corner of'"),
-    ("a cat on the left and a dog on the right", "'the left' names a place in the picture"),
-    ("a snowman in the middle", "'the middle' names a place in the picture"),
-    ("a dog and a cat near each other on a rug next to a sofa", "'each other' is read only as"),
-    ("a dog, a cat and a bird near each other on a rug", "'each other' is read only as"),
-    ("six cats on a sofa and three dogs under a table; they are all black",
-     "'they (all)' could name any of"),
-    ("two dogs and three cats; they are brown", "'they' could name any of"),
-    ("eleven cats", "not 'eleven'"),
-    ("11 cats", "not '11'"),
-    ("0 cats", "not '0'"),
-    ("cats", "noun phrase 'cats' must be"),
-    ("an ivory vase to the right of a bronze statue",
-     "'bronze' in 'a bronze statue' may be its color or its material"),
-    ("a cat; the cat is bronze", "'bronze' in 'the cat is' may be its color or its material"),
-    ("a boat on the water next to a pier", "a chain goes through 'the water', a ground or scene"),
-    ("a broken vase on the floor next to a cat", "a chain goes through 'the floor'"),
-    ("a sandcastle next to a red bucket and a yellow shovel on a beach",
-     "'a yellow shovel' after 'next to' and 'and' is followed by 'on a beach', a ground or scene"),
-    ("a cat next to a dog and a bird above it", "'above it' could name any of ['1 cat', '1 dog']"),
-    ("a pen beside a notebook and a pencil on a desk",
-     "'a pencil' after 'beside' and 'and' may be a second object of 'beside' or the subject"),
-    ("a blue mug next to a laptop and a red pen on top of a notebook",
-     "'on top of a notebook' may place it alone or every noun phrase before it"),
-    ("a bench near a lamp post and a tree with a bird", "(a list or a new clause?)"),
-    ("a sandcastle next to a blue bucket and a red spade on the sand",
-     "'a red spade' after 'next to' and 'and' may be a second object"),
-    ("a cat on a sofa and a dog next to it", "'next to it' could name any of ['1 cat', '1 sofa']"),
-    ("a cat next to them", "'next to them' names no noun phrase of two or more"),
-    ("two cats and a dog on it", "'on it' names no noun phrase of one"),
-    ("a lamp; a bowl and three oranges in it", "'in it' could name any of ['1 lamp', '1 bowl']"),
-    ("a dog in deep water", "['deep'] before the noun 'water' in 'deep water'"),
-    ("water next to a cat", "noun phrase 'water' must be"),
-    ("a cat next to a dog, a bird and a fish above a tree", "follows a list of objects"),
-    ("a desk with a laptop on it and a chair in front of it", "'in front of it' could name any"),
-    ("a blue truck with a yellow canoe on its roof",
-     "'its roof': the offline parser reads 'its', 'his', 'her', 'their' only after the first"),
-    ("a cat with a bell on its collar", "whose it is, or whether the owner has it"),
-    ("a girl and her dog on a beach", "'her dog': the offline parser reads 'its'"),
-    ("a dog next to its tail", "'its tail' names a part ('tail')"),
-    ("a wrinkled map under a compass", "'wrinkled' in 'a wrinkled map' may be its state"),
-    ("a horse's saddle on a fence", "possessive \"horse's saddle\" in \"a horse's saddle\""),
-    ("a bird on a giraffe's long neck", "the offline parser reads 'X's' only before a part"),
-    ("a girl with her dogs", "'her dogs' says no count for a plural noun"),
-    ("a cat on a mat; it is black", "'it' could name any of ['1 cat', '1 mat']"),
-    ("two dogs and a cat; they are brown", "'they' could name any of ['2 dog', '2 dog and 1 cat']"),
-    ("a cup; they are red", "'they' names no noun phrase of two or more"),
-    ("three mugs on a shelf; both are red", "'both' names '3 mug', which is not two"),
-    ("two cups; they are on a table", "after 'they are' come only attribute words"),
-    ("two cups; they are zesty", "['zesty'] after 'they are' is not an attribute word"),
-    ("two blue cups; they are red", "'red', but its color was written as 'blue'"),
-    ("it is red", "'it' names no noun phrase of one written before it"),
-    ("a cat..", "['cat.']"),
-    ("a cat  next to a dog", "noun phrase 'a cat '"),
-    ("a red car next to a red car", "appear twice"),
-    ("two glass sheep and a glass sheep", "appear twice"),
-]
-
-
-@pytest.mark.parametrize("prompt, reason", NEGATIVE, ids=[row[0] for row in NEGATIVE])
-def test_negative_table_fails_with_named_reason(prompt, reason):
-    if reason is None:
-        graph = parse_prompt(prompt)
-        assert all(" " not in n.noun for n in graph.nodes) and all(n.attributes
-                                                                    for n in graph.nodes)
-        return
-    with pytest.raises(PromptParseError) as info:
-        parse_prompt(prompt)
-    assert repr(prompt) in str(info.value) and reason in str(info.value)
-
-
-def test_unsupported_constructs_point_to_the_llm_builder():
-    for prompt, reason in NEGATIVE:
-        if reason and any(w in reason for w in ("verb", "clause", "relation", "'of'", "chain",
-                                                "pair of")):
-            with pytest.raises(PromptParseError, match="LLM builder"):
-                parse_prompt(prompt)
-
-
 def test_unknown_attribute_word_is_never_part_of_the_noun():
     for word in ("teal", "sparkling", "checkered", "glass"):
         assert word in ATTRIBUTE_KIND
@@ -443,6 +246,8 @@ def test_prompt_length_and_atom_limits():
 # beach" as a list after "next to" with the shovel on the beach (the parser, as since the first
 # round: a noun phrase followed by a relation after the first object starts a new clause, so the
 # sandcastle is next to the bucket only).
+# The tenth list writes "a dark forest" as the forest's state; the sixth and eighth lists and the
+# table write "dark" alone as a colour ("a dark lake", "a dark forest"), as the parser reads it.
 LABEL_DIFFERENCES = {
     "compositional_heldout.jsonl": ["six yellow rubber ducks in front of a bathtub",
                                     "a pair of skis",
@@ -468,6 +273,7 @@ LABEL_DIFFERENCES = {
     "compositional_heldout7.jsonl": [],
     "compositional_heldout8.jsonl": [],
     "compositional_heldout9.jsonl": [],
+    "compositional_heldout10.jsonl": ["an orange fox in front of a dark forest"],
 }
 
 

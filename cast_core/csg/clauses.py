@@ -37,6 +37,8 @@ from cast_core.csg.vocab import (
     POSTURE_VERBS,
     RELATION_FORMS,
     RELATION_PHRASES,
+    SCENE_GROUNDS,
+    STATES_BEFORE_NOUN_ONLY,
     singularize,
 )
 
@@ -149,7 +151,7 @@ def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation
                    and not (tokens[i] in ATTRIBUTE_KIND and spans[-1][0] == "the"))
         if posture:
             verb, form = tokens[i], _relation_at(tokens, i + 1)
-            if verb in ATTRIBUTE_KIND:
+            if verb in ATTRIBUTE_KIND and verb not in STATES_BEFORE_NOUN_ONLY:
                 # a state word as well ("a red truck parked next to a house"): the truck's state;
                 # before the first relation, of each listed noun phrase ("a red car and a blue car
                 # parked next to a house": both are parked, both are next to it)
@@ -270,8 +272,12 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
                     setting: Callable[[list[str]], bool]) -> list[int]:
     """The subjects of `op` in a chain "A rel B op C" (B is span k): B, the noun phrase it follows
     ("a book on a table next to a lamp": the table), or A after "with" ("a girl with a kite next
-    to a tree": the girl) and after "in" a garment (wearing: "a girl in a raincoat next to a tree").
+    to a tree": the girl), after "in" a garment (wearing: "a girl in a raincoat next to a tree")
+    and after "in"/"on" the scene (`is_scene`: "a fox in the snow next to a tree": the fox).
     ValueError where the lists read it both ways."""
+    scene = relation.canonical in ("in", "on") and is_scene(spans[k])
+    if op.canonical == "with" and scene:
+        return subjects
     if op.canonical == "with":
         if not any(s in subjects and rel == "with" for s, rel, _ in edges):
             raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
@@ -288,16 +294,31 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
                          "container the vocabulary lists (`garments`, `containers`), so which noun "
                          f"phrase {op.form!r} places is ambiguous; write one clause per relation ('a "
                          "girl in a yellow raincoat and next to a red umbrella')")
-    if relation.canonical != "with" and not worn and setting(spans[k]):
+    if relation.canonical != "with" and not worn and setting(spans[k]) and not scene:
         raise ValueError(f"a chain goes through {' '.join(spans[k])!r}, a ground or scene, and "
                          f"on with {op.form!r}: it may place {' '.join(spans[k])!r} or the noun "
                          "phrase before it ('a boat on the water next to a pier': the boat is "
                          f"next to it); write one clause per relation ('... and {op.form} ...')")
+    if (worn or scene) and subjects[0] > 0:
+        raise ValueError(f"{' '.join(spans[subjects[0]])!r} starts a later clause and is "
+                         f"{relation.form} {' '.join(spans[k])!r}, then {op.form!r}: it may place "
+                         f"{' '.join(spans[subjects[0]])!r} alone or every noun phrase before it "
+                         "('a woman in a red dress and a man in a suit in front of a church'); "
+                         "write the shared place as its own statement")
     # after "with", a pronoun object names the subject: "a table with a vase on it" is the vase
     # on the table
     pronoun = spans[k + 1] in (["it"], ["them"])
-    keeps = relation.canonical == "with" and not pronoun or worn
+    keeps = relation.canonical == "with" and not pronoun or worn or scene
     return subjects if keeps else [k]
+
+
+def is_scene(span: list[str]) -> bool:
+    """Whether a noun phrase is the scene around its subject: "the" + one of `SCENE_GROUNDS` ("in
+    the snow", "on the grass") or the bare ground after attributes ("in tall grass")."""
+    if not span or singularize(span[-1]) not in SCENE_GROUNDS:
+        return False
+    words = span[1:] if span[0] == "the" else span
+    return all(w in ATTRIBUTE_KIND for w in words[:-1])
 
 
 def _in_reading(span: list[str]) -> str | None:

@@ -23,8 +23,10 @@ bird above a tree": the bird is above the tree). A list before the first relatio
 listed noun phrase the relation ("a cat and a dog on a sofa": both are on it). In a chain ("a book on a table next to a lamp")
 the later relation places the noun phrase it follows (the table), except after "with", whose object
 belongs to the subject ("a girl with a kite next to a tree": the girl), and after "in" a garment
-(`garments` in the vocabulary: "a girl in a yellow raincoat next to a tree": the girl); after "in"
-a container (`containers`: "a cat in a basket on a sofa") it places the container. "with" later in
+(`garments` in the vocabulary: "a girl in a yellow raincoat next to a tree": the girl) or "in"/"on"
+the scene (`scene_grounds` with "the" or bare: "a fox in the snow next to a tree", "a deer in tall
+grass": the subject; in a later clause refused); after "in" a container (`containers`: "a cat in a
+basket on a sofa") it places the container. "with" later in
 a chain belongs to the noun phrase before it only in "A with B rel C with D". "between" takes one noun
 phrase of two or more ("a lamp between two chairs") or two of one ("a lamp between a bed and a
 desk": a "between" edge to each, both asking "Is the lamp between the bed and the desk?"). A

@@ -46,6 +46,11 @@ AMBIGUOUS_KIND_WORDS = MappingProxyType({w: tuple(k) for w, k in _DATA["ambiguou
 # last, and one in the middle of a chain ("a boat on the water next to a pier") may be where the
 # subject is rather than what the later relation places; both are refused.
 SETTINGS: frozenset[str] = frozenset(_DATA["settings"])
+# Settings written as the scene around the subject: "the snow", "the grass", or the bare mass noun
+# ("in tall grass"). A chain through one places the subject, as the lists write it ("a fox in the
+# snow next to a pine tree": the fox is next to it); "the mud" and "the floor" (which the lists
+# write both ways) and a setting with a/an ("a field") stay refused.
+SCENE_GROUNDS: frozenset[str] = frozenset(_DATA["scene_grounds"])
 # After "in" in a chain: a garment means wearing ("a girl in a yellow raincoat next to a tree": the
 # girl is next to it), a container containment ("a cat in a basket on a sofa": the basket is on it).
 GARMENTS: frozenset[str] = frozenset(_DATA["garments"])
@@ -57,6 +62,9 @@ PARTS: frozenset[str] = frozenset(_DATA["parts"])
 UNSUPPORTED_RELATIONS: frozenset[str] = frozenset(_DATA["unsupported_relations"])
 POSTURE_VERBS: frozenset[str] = frozenset(_DATA["posture_verbs"])
 VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS
+# Posture verbs that are states only before the noun, as the lists write them ("a floating piece of
+# ice": its state; "a frog floating on a lily pad": no state, on the lily pad).
+STATES_BEFORE_NOUN_ONLY: frozenset[str] = frozenset(_DATA["states_before_noun_only"])
 OF_HEADS: frozenset[str] = frozenset(_DATA["of_heads"])
 CLAUSE_WORDS: frozenset[str] = frozenset(_DATA["clause_words"])
 

@@ -118,13 +118,16 @@ def _is_noun(words: list[str], noun: str, nouns: frozenset[str] | None) -> bool:
 
 def read_attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
     """(kind, value) pairs of attribute words in kind order; None when a word is not one or a
-    kind repeats. A colour modifier joins the colour after it ("light blue"), and "and" joins
-    two colours into one ("black and white")."""
+    kind repeats. A colour modifier joins the colour after it ("light blue"), "and" joins two
+    colours into one ("black and white"), "colored" after a colour is part of it ("a cream colored
+    sofa"), and a listed two-word value is one ("cast iron", "polka dot")."""
     found: dict[str, str] = {}
     i = 0
     while i < len(words):
         word, after = words[i], words[i + 1] if i + 1 < len(words) else None
-        if word in COLOR_MODIFIERS and after is not None and ATTRIBUTE_KIND.get(after) == "color":
+        if after is not None and f"{word} {after}" in ATTRIBUTE_KIND:
+            kind, value, i = ATTRIBUTE_KIND[f"{word} {after}"], f"{word} {after}", i + 2
+        elif word in COLOR_MODIFIERS and after is not None and ATTRIBUTE_KIND.get(after) == "color":
             kind, value, i = "color", f"{word} {after}", i + 2
         elif hyphenated_colors(word):
             kind, value, i = "color", word.replace("-", " "), i + 1
@@ -134,6 +137,8 @@ def read_attributes(words: list[str]) -> tuple[tuple[str, str], ...] | None:
             return None
         while kind == "color" and words[i:i + 1] == ["and"] and joins_colors(words, i):
             value, i = f"{value} and {words[i + 1]}", i + 2
+        if kind == "color" and words[i:i + 1] in (["colored"], ["coloured"]):
+            i += 1  # "a cream colored sofa": the colour cream
         if kind in found:
             return None
         found[kind] = value
