@@ -11,7 +11,8 @@ import torch or Prefect:
    this command (`flows.api_server`: it waits up to `CAST_SERVER_TIMEOUT` s, default 240, and dies
    with the command, even on SIGKILL);
 3. `module.run(args, overrides)` imports the stages and runs the flow; a failed flow run ends with
-   one line under Prefect's own log of it, and exit status 1.
+   one line under Prefect's own log of it, and exit status 1. On a temporary server flow runs send
+   no heartbeats (`command_settings`).
 
 The server starts before the ~9 s of imports, so the two overlap.
 """
@@ -51,12 +52,27 @@ def prefect_home() -> Path:
     return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
 
 
-def _run_with_api(module: str, args: argparse.Namespace, overrides: dict | None, url: str) -> None:
+def command_settings(url: str, temporary: bool) -> dict:
+    """The Prefect settings a command's flow runs take: its API `url` and, on a `temporary`
+    server (one that dies with the command), no flow-run heartbeats. Heartbeats feed a server's
+    detection of crashed runs, which a temporary server does not keep; and Prefect's heartbeat
+    thread sleeps in whole seconds and is joined when the flow run ends, so each flow run would
+    end up to a second late (about 0.5 s on average for an iteration's run)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+    updates = {PREFECT_API_URL: url}
+    if temporary:
+        updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
+    return updates
+
+
+def _run_with_api(module: str, args: argparse.Namespace, overrides: dict | None, url: str,
+                  temporary: bool) -> None:
     os.environ["PREFECT_API_URL"] = url  # read by Prefect when it is first imported, just below
     flow_module = importlib.import_module(module)
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: url}):  # when Prefect was imported earlier
+    with temporary_settings(updates=command_settings(url, temporary)):
         try:
             flow_module.run(args, overrides)
         finally:
@@ -91,12 +107,12 @@ def launch(module: str, args: argparse.Namespace, tag: str = "cast") -> int:
                     f"PREFECT_API_URL={given} does not answer; start that server (bash "
                     f"scripts/prefect_local.sh start) or unset PREFECT_API_URL to use a "
                     f"temporary one")
-            _run_with_api(module, args, overrides, given)
+            _run_with_api(module, args, overrides, given, temporary=False)
         else:
             log = prefect_home() / "cast-temporary-server.log"
             with temporary_api_server(server_timeout_s(), log,
                                       say=lambda text: _say(tag, text)) as url:
-                _run_with_api(module, args, overrides, url)
+                _run_with_api(module, args, overrides, url, temporary=True)
     except ApiServerError as err:
         _say(tag, str(err))
         return 1

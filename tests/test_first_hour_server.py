@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from flows.api_server import ApiServerError, temporary_api_server
-from flows.launch import DEFAULT_SERVER_TIMEOUT_S, launch, server_timeout_s
+from flows.launch import DEFAULT_SERVER_TIMEOUT_S, command_settings, launch, server_timeout_s
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,3 +143,19 @@ def test_the_command_starts_a_fresh_server_and_sigkill_leaves_no_server(tmp_path
         if main.poll() is None:
             main.kill()
         main.stderr.close()
+
+
+def test_flow_runs_on_a_temporary_server_send_no_heartbeats():
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        get_current_settings,
+        temporary_settings,
+    )
+
+    with temporary_settings(updates=command_settings("http://127.0.0.1:9/api", temporary=True)):
+        assert get_current_settings().flows.heartbeat_frequency is None
+        assert get_current_settings().api.url == "http://127.0.0.1:9/api"
+    given = command_settings("http://127.0.0.1:9/api", temporary=False)  # a server that stays
+    assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY not in given
+    assert given[PREFECT_API_URL] == "http://127.0.0.1:9/api"

@@ -258,9 +258,10 @@ def conform(table: str, data: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Tabl
         _check_names(spec, data.column_names, "the Arrow table")
         given = {name: data.column(name) for name in data.column_names}
     else:
-        rows = list(data)
+        rows, declared = list(data), set(spec.schema.names)
         for i, row in enumerate(rows):
-            _check_names(spec, list(row), f"row {i}")
+            if row.keys() != declared:  # a mapping's keys are distinct: set equality suffices
+                _check_names(spec, list(row), f"row {i}")  # raises, naming what differs
         given = {f.name: _infer(spec, f.name, [row[f.name] for row in rows]) for f in spec.schema}
     columns = [_cast(spec, field, given[field.name]) for field in spec.schema]
     return pa.Table.from_arrays(columns, schema=spec.schema)
