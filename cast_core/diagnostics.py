@@ -18,6 +18,17 @@ hacked by texture) show a rising E_hf.
 Parameter change: ||theta_after - theta_before||_2 over all given tensors (LoRA parameters) as one
 vector, accumulated in float64.
 
+Map noise factor (``map_noise_factor``), for advantage maps M [N, h, w] trained inside each sample's
+all-dims ratio: the gradient is sum_u M_k(u) grad log p_u(x_k), and if the per-position scores
+grad log p_u are independent with equal variance, its noise variance is proportional to
+mean_k mean_u M_k(u)^2. A constant map with the same per-sample credit (each sample's spatial mean
+mbar_k) gives mean_k mbar_k^2. Their ratio
+    F = mean_k mean_u M_k(u)^2 / mean_k mbar_k^2 >= 1
+is how much more gradient noise the map's spatial shape costs than its mean credit alone; the map
+gains only where the reward's true gradient is concentrated where the map is. Closed forms: a
+constant map gives 1; a map equal to mbar_k / f on a fraction f of the positions and 0 elsewhere
+gives 1 / f.
+
 Constant-reward alarm: a reward gives no learning signal in an iteration when every group of it
 has zero variance. Per atom type: every (prompt, atom) group of that type is flagged
 zero-variance (the flags ``advantage.atom_advantages`` computed with its std_floor). Scalar: the
@@ -81,6 +92,18 @@ def param_change_norm(before: Sequence[Tensor], after: Sequence[Tensor]) -> floa
             raise ValueError(f"tensor {i}: shapes differ, {tuple(b.shape)} vs {tuple(a.shape)}")
         total += (a.detach().double().cpu() - b.detach().double().cpu()).pow(2).sum()
     return float(total.sqrt())
+
+
+def map_noise_factor(maps: Tensor) -> float:
+    """F of the module docstring for maps [N, h, w] (float64); raises when every sample's
+    spatial mean is 0 (no credit to compare with)."""
+    if maps.dim() != 3 or maps.shape[0] == 0:
+        raise ValueError(f"maps must be a non-empty [N, h, w] tensor; got {tuple(maps.shape)}")
+    m = maps.detach().double().flatten(1)  # [N, h w]
+    mean_sq = m.mean(dim=1).pow(2).mean()
+    if not mean_sq > 0:
+        raise ValueError("every map has spatial mean 0: no credit to compare the map's noise with")
+    return float(m.pow(2).mean() / mean_sq)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.diagnostics import (
     constant_reward_alarm,
     high_frequency_energy,
+    map_noise_factor,
     param_change_norm,
 )
 from cast_core.lora import add_lora
@@ -209,3 +210,20 @@ def test_no_alarm_when_rewards_vary():
     # a spread just above the floor is a signal, just below it is not
     assert not constant_reward_alarm({}, torch.tensor([0.0, 2.1e-4]), 1e-4).alarm
     assert constant_reward_alarm({}, torch.tensor([0.0, 1.9e-4]), 1e-4).alarm
+
+
+def test_map_noise_factor_closed_forms():
+    credit = torch.tensor([0.5, -1.5, 2.0])  # [N] each sample's spatial mean
+    constant = credit[:, None, None].expand(3, 8, 8)
+    assert map_noise_factor(constant) == pytest.approx(1.0)
+    for cells in (1, 4, 16, 64):  # credit / f on a fraction f = cells / 64 of the positions
+        m = torch.zeros(3, 8, 8)
+        m.view(3, -1)[:, :cells] = credit[:, None] * 64 / cells
+        assert map_noise_factor(m) == pytest.approx(64 / cells)
+    # a map with zero mean adds its whole second moment on top of the other samples' credit
+    m = torch.cat([constant[:2], torch.tensor([1.0, -1.0]).repeat(32).view(1, 8, 8)])
+    assert map_noise_factor(m) == pytest.approx((0.25 + 2.25 + 1.0) / ((0.25 + 2.25) / 1))
+    with pytest.raises(ValueError, match="spatial mean 0"):
+        map_noise_factor(torch.zeros(2, 4, 4))
+    with pytest.raises(ValueError, match=r"\[N, h, w\]"):
+        map_noise_factor(torch.ones(4, 4))
