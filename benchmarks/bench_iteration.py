@@ -1,7 +1,8 @@
 """Benchmark of one RL iteration: bare compute, the stage functions, the Prefect flow, and a re-run.
 
     .venv/bin/python benchmarks/bench_iteration.py [--recipe data/recipes/shapes-cast.toml]
-        [--repeats 3] [--threads N] [--set FIELD=JSON ...] [--json figures.json] [--keep]
+        [--repeats 3] [--ray-repeats N] [--threads N] [--set FIELD=JSON ...] [--json figures.json]
+        [--keep]
 
 Run it from the repository root. Every timed repeat is iteration 0 of a fresh store, so nothing is
 skipped and every arm samples the same prompts with the same seeds:
@@ -22,6 +23,8 @@ skipped and every arm samples the same prompts with the same seeds:
   runs by a no-op flow; a second no-op flow is reported as the cost of an empty flow run), on a
   copy of a store whose run-level stages are done; the flow-run wall time as seen by this process.
 - rerun: the flow again with `iteration=0` on the store the flow just finished (every stage skips).
+- executors: the iteration through `tasks.stages.iteration` on the local executor and on resident
+  Ray actors (a local cluster), alternating; ray / local is Ray's fixed cost (benchmarks/ray_arm.py).
 Within each repeat the stages arm runs before the bare arm, so one-time warm-up costs fall on the
 pipeline, not on the baseline. Imports of tasks/flows happen inside functions because Prefect reads
 PREFECT_HOME when it is imported; unless set, PREFECT_HOME is a folder in the work dir.
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from ray_arm import TARGET_RAY, executor_arms, executor_lines, ray_ratio
 
 from tasks.stages.iteration import RUN_STAGES
 
@@ -216,6 +220,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="data/recipes/shapes-cast.toml")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ray-repeats", type=int, default=None,
+                        help="local/Ray pairs of the executor arms (default: --repeats)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (sets run.threads); default: the recipe's")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
@@ -224,8 +230,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where stores go (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+    if args.repeats < 1 or (args.ray_repeats or 1) < 1:
+        parser.error("--repeats and --ray-repeats must be >= 1")
     from tasks.stages.recipe import parse_overrides
 
     overrides = parse_overrides(args.set)
@@ -238,7 +244,8 @@ def main() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # busy CPUs
     try:
-        figures = measure(args.recipe, overrides, args.repeats, work)
+        figures = measure(args.recipe, overrides, args.repeats, work,
+                          args.ray_repeats or args.repeats)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -248,7 +255,8 @@ def main() -> None:
         print(f"figures written to {args.json}")
 
 
-def measure(recipe_path: str, overrides: dict, repeats: int, work: Path) -> dict:
+def measure(recipe_path: str, overrides: dict, repeats: int, work: Path,
+            ray_repeats: int) -> dict:
     from tasks.stages.build_csgs import build_csgs
     from tasks.stages.calibrate_window import calibrate_window, read_window
     from tasks.stages.recipe import load_recipe
@@ -273,6 +281,7 @@ def measure(recipe_path: str, overrides: dict, repeats: int, work: Path) -> dict
             stored = stored_lora(work / "stages-0", run_id)
             lora_diff = max(float((stored[n] - t).abs().max()) for n, t in lora.items())
 
+    executors = executor_arms(recipe_path, overrides, ray_repeats, template.root, work)
     server_s, noop_s = start_prefect()
     flow, rerun, flow_stages = [], [], []
     for i in range(repeats):
@@ -303,6 +312,7 @@ def measure(recipe_path: str, overrides: dict, repeats: int, work: Path) -> dict
                                            for p in ITERATION_STAGES[1:-1]}},
         "rerun": {"total": summary(rerun),
                   "ratio_to_first_run": summary([r / f for r, f in zip(rerun, flow)])},
+        "executors": executors,
     }
     return figures | {"ratios": ratios(figures)}
 
@@ -314,10 +324,11 @@ def ratios(fig: dict) -> dict:
     rerun = fig["rerun"]["ratio_to_first_run"]["median"]
     return {"stages_over_bare": stages / bare, "flow_over_stages": flow / stages,
             "flow_over_bare": flow / bare, "overhead_share_of_flow": (flow - bare) / flow,
-            "rerun_over_first_run": rerun,
+            "rerun_over_first_run": rerun, "ray_over_local": ray_ratio(fig["executors"]),
             "pass_iteration_wall": flow <= TARGET_FLOW_S,
             "pass_overhead": flow / bare - 1 <= TARGET_OVERHEAD,
-            "pass_rerun": rerun <= TARGET_RERUN}
+            "pass_rerun": rerun <= TARGET_RERUN,
+            "pass_ray_overhead": ray_ratio(fig["executors"]) <= TARGET_RAY}
 
 
 def report(fig: dict) -> None:
@@ -346,6 +357,7 @@ def report(fig: dict) -> None:
           f" s; an empty flow run {fig['prefect_empty_flow_s']:.2f} s")
     print(f"  same work check: max |LoRA bare - LoRA stages| = "
           f"{fig['lora_max_abs_diff_bare_vs_stages']:.2e} (must be 0)")
+    print("\n".join(executor_lines(fig["executors"], line)))
     print("ratios (of medians):")
     print(f"  stages / bare = {r['stages_over_bare']:.3f}  "
           f"(store overhead {r['stages_over_bare'] - 1:+.1%})")
@@ -362,6 +374,8 @@ def report(fig: dict) -> None:
           f"{r['flow_over_bare'] - 1:.1%} <= {TARGET_OVERHEAD:.0%} (flow vs bare)")
     print(f"  {verdict(r['pass_rerun'])}  rerun {r['rerun_over_first_run']:.1%} of the first run "
           f"<= {TARGET_RERUN:.0%}")
+    print(f"  {verdict(r['pass_ray_overhead'])}  Ray executor {r['ray_over_local']:.3f}x the local "
+          f"executor <= {TARGET_RAY}x (its fixed cost; on {fig['cpu_count']} cores)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tasks.stages.iteration import plain_stages, run_iteration, run_setup
-from tasks.stages.ray_workers import executor, shards
+from tasks.stages.ray_workers import executor, init_ray, shards
 from tasks.store.store import Store
 from tests.pipeline_helpers import ci_recipe, reference
 
@@ -27,7 +27,7 @@ def test_shards_are_contiguous_and_near_equal():
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, namespace="cast", include_dashboard=False)
+    init_ray("", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 

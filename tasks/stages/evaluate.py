@@ -18,6 +18,12 @@ energy of the images (`cast_core.diagnostics.high_frequency_energy`; noise or st
 reward raise it). Iteration -1 is the base model. Cached on the checkpoint's hash and the eval
 spec's hash.
 
+Where it computes: in the stage's process (`run.executor = "local"`), or with `"ray"` on the
+run's resident actors (`tasks.stages.ray_workers`): the policy actors sample the images in shards
+of whole chunks (each samples the batches one process would, so the rows are the same) and the
+scorer actors score them; the diversity embedder and the rows stay here. The actors keep the
+backbone loaded, so an evaluation between iterations only swaps the LoRA.
+
 One checkpoint may be evaluated under several eval sections (a per-iteration probe and a final
 evaluation, say): the `evals` part is named by run, iteration and the sorted split names, so
 evaluations of different splits sit side by side, while a re-evaluation of the same splits
@@ -36,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +61,7 @@ from tasks.stages.models import graph_builder, scorer, scorer_id, set_threads
 from tasks.stages.plots import figure, png
 from tasks.stages.policy_state import load_policy_of, policy_for
 from tasks.stages.prompt_sets import load_prompts
+from tasks.stages.ray_workers import executor
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import contact_sheet
 from tasks.stages.score_atoms import score_in_chunks
@@ -90,7 +98,7 @@ def _diversity(embedder, images: torch.Tensor, per_prompt: int) -> float | None:
     return float((1 - cos[:, off]).mean())
 
 
-def _sample_images(backbone, prompts: list[str], seeds: list[int], recipe: Recipe) -> torch.Tensor:
+def sample_images(backbone, prompts: list[str], seeds: list[int], recipe: Recipe) -> torch.Tensor:
     """ODE samples, decoded chunk by chunk -> images [N, 3, H, W] float32 in [0, 1] on the CPU."""
     ev, size = recipe.eval, recipe.sampling.chunk_size
     images = []
@@ -173,7 +181,31 @@ def cache_key(store: Store, recipe: Recipe, iteration: int) -> str:
                     {"checkpoint": policy.policy_hash, "spec": eval_spec_hash(recipe)})
 
 
-def _evaluate_split(recipe: Recipe, backbone, score, build, embedder, base: dict,
+@dataclass(frozen=True)
+class Compute:
+    """Where an evaluation samples and scores: `sample(prompts, seeds)` -> images [N, 3, H, W]
+    float32 in [0, 1] on the CPU; `score(images, graphs)` -> each image's (scores [A],
+    heatmaps [A, h, w])."""
+
+    sample: Callable[[list[str], list[int]], torch.Tensor]
+    score: Callable[[torch.Tensor, list], list]
+
+
+def _in_process(store: Store, recipe: Recipe, policy) -> Compute:
+    backbone, _ = load_policy_of(store, recipe, policy)
+    _, score = scorer(recipe)
+    chunk = recipe.sampling.chunk_size
+    return Compute(lambda prompts, seeds: sample_images(backbone, prompts, seeds, recipe),
+                   lambda images, graphs: score_in_chunks(score, images, graphs, chunk))
+
+
+def _on_actors(workers, store: Store, recipe: Recipe, policy) -> Compute:
+    return Compute(lambda prompts, seeds: workers.sample_eval(store, recipe, policy, prompts,
+                                                              seeds),
+                   lambda images, graphs: workers.score_images(recipe, images, graphs))
+
+
+def _evaluate_split(recipe: Recipe, compute: Compute, build, embedder, base: dict,
                     path: str) -> tuple[list[dict], bytes, dict]:
     """One split -> its `evals` rows, its image grid (PNG bytes) and its per-image scores."""
     ev = recipe.eval
@@ -182,9 +214,9 @@ def _evaluate_split(recipe: Recipe, backbone, score, build, embedder, base: dict
     texts = [r["prompt"] for r in records]
     prompts = [t for t in texts for _ in range(ev.images_per_prompt)]
     seeds = eval_seeds(texts, ev.images_per_prompt, ev.seed_offset)
-    images = _sample_images(backbone, prompts, seeds, recipe)  # [N, 3, H, W] CPU
+    images = compute.sample(prompts, seeds)  # [N, 3, H, W] CPU
     flat = [g for g in graphs for _ in range(ev.images_per_prompt)]
-    scored = score_in_chunks(score, images, flat, recipe.sampling.chunk_size)
+    scored = compute.score(images, flat)
     results = [ImageResult(g.tag or "untagged", s, tuple(a.type for a in g.atoms()))
                for g, (s, _) in zip(flat, scored)]
     hf = high_frequency_energy(images)  # [N]
@@ -203,18 +235,19 @@ def evaluate_checkpoint(store: Store, recipe: Recipe, iteration: int) -> StageRe
     def body():
         set_threads(recipe)
         policy = policy_for(store, recipe, iteration + 1)
-        backbone, _ = load_policy_of(store, recipe, policy)
-        _, score = scorer(recipe)
-        build, embedder = graph_builder(recipe), _diversity_embedder(recipe)
         spec, rows, refs, per_image = eval_spec_hash(recipe), [], [], {}
-        for split, path in sorted(ev.splits.items()):
-            base = {"run_id": run_id, "iteration": iteration,
-                    "checkpoint_hash": policy.policy_hash, "eval_spec_hash": spec,
-                    "split": split}
-            split_rows, grid, per_image[split] = _evaluate_split(recipe, backbone, score, build,
-                                                                 embedder, base, path)
-            rows += split_rows
-            refs.append(store.put_blob(grid, "png"))
+        with executor(recipe) as workers:
+            compute = (_in_process(store, recipe, policy) if workers is None
+                       else _on_actors(workers, store, recipe, policy))
+            build, embedder = graph_builder(recipe), _diversity_embedder(recipe)
+            for split, path in sorted(ev.splits.items()):
+                base = {"run_id": run_id, "iteration": iteration,
+                        "checkpoint_hash": policy.policy_hash, "eval_spec_hash": spec,
+                        "split": split}
+                split_rows, grid, per_image[split] = _evaluate_split(recipe, compute, build,
+                                                                     embedder, base, path)
+                rows += split_rows
+                refs.append(store.put_blob(grid, "png"))
         refs.append(store.put_blob(json.dumps(per_image, sort_keys=True).encode(), "json"))
         refs.append(store.put_blob(_plot(rows, f"{run_id}: iteration {iteration}"), "png"))
         part = evals_part(run_id, iteration, list(ev.splits))

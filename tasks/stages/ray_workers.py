@@ -12,7 +12,9 @@ runs on the first `ray.train_workers` policy actors, data-parallel when there ar
 join a torch.distributed group for the call (`tasks.stages.train_group`), each trains its part
 of every optimizer step, and rank 0 writes; each then holds the trained policy, so the next
 rollout on it reloads nothing. Scorer actors (`ScorerWorker`) hold the recipe's scorer; the samples to score are
-split between them, each with all its atoms, and each actor reads its images from the store. The
+split between them, each with all its atoms, and each actor reads its images from the store. An
+evaluation (`tasks.stages.evaluate`) runs on the same actors: its images sampled by the policy
+actors in shards of whole chunks, and scored by the scorer actors, passed through Ray. The
 stage's completion record is written by `run_stage` after the body returns, so after every shard
 has finished. A remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on
 other machines: the scorer actors then call it.
@@ -29,6 +31,7 @@ Ray is imported inside the functions that need it: the local executor never impo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -46,7 +49,7 @@ from tasks.stages.policy_state import PolicyState
 from tasks.stages.recipe import Recipe
 from tasks.stages.resident import Loads, ResidentPolicy
 from tasks.stages.rollout import Sampled, rollout_spec, sample_groups
-from tasks.stages.score_atoms import score_rows
+from tasks.stages.score_atoms import score_in_chunks, score_rows
 from tasks.stages.train_epoch import Trained, train_and_write
 from tasks.stages.train_group import Group, joined, rendezvous
 from tasks.store.records import BlobRef
@@ -77,6 +80,16 @@ class PolicyWorker:
         return store.put_tensors({"x0": r.x0, "latents": r.latents,
                                   "next_latents": r.next_latents, "log_probs": r.log_probs,
                                   "t": r.t, "t_next": r.t_next, "images": sampled.images})
+
+    def eval_shard(self, root: str, recipe: Recipe, policy: PolicyState, prompts: list[str],
+                   seeds: list[int]) -> torch.Tensor:
+        """An evaluation's ODE samples of `prompts` with the held policy -> images [n, 3, H, W]
+        float32 in [0, 1] on the CPU (`evaluate.sample_images`)."""
+        from tasks.stages.evaluate import sample_images  # evaluate imports this module
+
+        set_threads(recipe)
+        backbone, _ = self.resident.get(Store(root), recipe, policy)
+        return sample_images(backbone, prompts, seeds, recipe)
 
     def rendezvous(self) -> str:
         """An address on this actor's node where a training group can meet."""
@@ -114,13 +127,23 @@ class ScorerWorker:
     def score_shard(self, root: str, recipe: Recipe, rows: list[dict],
                     graphs: list[SceneGraph]) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
         """(scorer id, each row's (scores [A], heatmaps [A, h, w])) for rollout `rows`."""
+        scorer_id, score = self._held(recipe)
+        return scorer_id, score_rows(Store(root), score, rows, graphs, recipe.sampling.chunk_size)
+
+    def score_images(self, recipe: Recipe, images: torch.Tensor, graphs: list[SceneGraph]
+                     ) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
+        """(scorer id, each image's (scores [A], heatmaps [A, h, w])) for images [n, 3, H, W]."""
+        scorer_id, score = self._held(recipe)
+        return scorer_id, score_in_chunks(score, images, graphs, recipe.sampling.chunk_size)
+
+    def _held(self, recipe: Recipe) -> tuple[str, Any]:
+        """The recipe's (scorer id, scorer), loaded when its scorer section changed."""
         set_threads(recipe)
         section = recipe.scorer.model_dump_json()
         if section != self._section:
             self._scorer, self._section = scorer(recipe), section
             self.load_count += 1
-        scorer_id, score = self._scorer
-        return scorer_id, score_rows(Store(root), score, rows, graphs, recipe.sampling.chunk_size)
+        return self._scorer
 
     def loads(self) -> int:
         return self.load_count
@@ -158,12 +181,30 @@ class Workers:
         calls = [actor.score_shard.remote(str(store.root), recipe, [rows[i] for i in part],
                                           [graphs[i] for i in part])
                  for actor, part in zip(self.scorers, index)]
-        answers = ray.get(calls)
-        ids = {scorer_id for scorer_id, _ in answers}
-        if len(ids) != 1:
-            raise RuntimeError(f"the scorer actors answered with different scorer ids {ids}; "
-                               f"they must load the same scorer")
-        return ids.pop(), [result for _, results in answers for result in results]
+        return _one_scorer(ray.get(calls))
+
+    def sample_eval(self, store: Store, recipe: Recipe, policy: PolicyState, prompts: list[str],
+                    seeds: list[int]) -> torch.Tensor:
+        """An evaluation's images, sampled on the policy actors in shards of whole chunks of
+        `sampling.chunk_size` (the batches one process samples) -> [N, 3, H, W] in prompt order."""
+        import ray
+
+        parts = chunk_shards(len(prompts), recipe.sampling.chunk_size, len(self.policy))
+        calls = [actor.eval_shard.remote(str(store.root), recipe, policy, prompts[lo:hi],
+                                         seeds[lo:hi])
+                 for actor, (lo, hi) in zip(self.policy, parts)]
+        return torch.cat(ray.get(calls))
+
+    def score_images(self, recipe: Recipe, images: torch.Tensor, graphs: list[SceneGraph]
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Images [N, 3, H, W] scored on the scorer actors in shards of whole chunks -> each
+        image's (scores [A], heatmaps [A, h, w]) in image order."""
+        import ray
+
+        parts = chunk_shards(len(images), recipe.sampling.chunk_size, len(self.scorers))
+        calls = [actor.score_images.remote(recipe, images[lo:hi], graphs[lo:hi])
+                 for actor, (lo, hi) in zip(self.scorers, parts)]
+        return _one_scorer(ray.get(calls))[1]
 
     def train(self, store: Store, recipe: Recipe, policy: PolicyState, *inputs: Any) -> Trained:
         """The iteration's training on the first policy actor, or data-parallel on the first
@@ -200,6 +241,21 @@ class Workers:
             ray.kill(actor, no_restart=True)
 
 
+def chunk_shards(n: int, chunk: int, workers: int) -> list[tuple[int, int]]:
+    """n items as at most `workers` contiguous [lo, hi) runs of whole chunks of `chunk` (only the
+    last run may end in a short chunk)."""
+    return [(part[0], min(part[-1] + chunk, n)) for part in shards(range(0, n, chunk), workers)]
+
+
+def _one_scorer(answers: list[tuple[str, list]]) -> tuple[str, list]:
+    """The scorer actors' (scorer id, results) answers -> (the id, results in shard order)."""
+    ids = {scorer_id for scorer_id, _ in answers}
+    if len(ids) != 1:
+        raise RuntimeError(f"the scorer actors answered with different scorer ids {ids}; "
+                           f"they must load the same scorer")
+    return ids.pop(), [result for _, results in answers for result in results]
+
+
 def _restart_stragglers(actors: Sequence, calls: list) -> None:
     """After a rank of a group training failed: restart the ranks still in it (a lost peer can
     leave them waiting in a collective until `train_group.TIMEOUT`), so that the actors answer
@@ -231,7 +287,7 @@ def connect(recipe: Recipe) -> Workers:
 
     r = recipe.ray
     if not ray.is_initialized():
-        ray.init(address=r.address or None, namespace=NAMESPACE)
+        init_ray(r.address)
     _check_capacity(recipe, ray.cluster_resources())
     env = {"env_vars": {"PYTHONPATH": str(_REPO_ROOT)}}  # the driver's code, on a shared disk
     options = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached",
@@ -246,6 +302,20 @@ def connect(recipe: Recipe) -> Workers:
         tuple(score.options(name=f"{run}-scorer-{i}", num_gpus=r.scorer_num_gpus,
                             num_cpus=r.scorer_num_cpus, **options).remote()
               for i in range(r.scorer_workers)))
+
+
+def init_ray(address: str, **options: Any) -> None:
+    """`ray.init` in namespace "cast": join the cluster at `address` (or `$RAY_ADDRESS`), or
+    start a local one whose workers run at nice 0. Ray starts its workers at nice 15 by default
+    (`worker_niceness`, to keep its own daemons responsive); the actors are the run's compute,
+    and at nice 15 any other load on the machine starves them (a cluster started with
+    `ray start` takes `RAY_worker_niceness=0` in its environment instead). `options` go to
+    `ray.init` (e.g. `num_cpus`)."""
+    import ray
+
+    joins = address or os.environ.get("RAY_ADDRESS")
+    local = {} if joins else {"_system_config": {"worker_niceness": 0}}
+    ray.init(address=address or None, namespace=NAMESPACE, **local, **options)
 
 
 def _check_capacity(recipe: Recipe, cluster: dict[str, float]) -> None:
