@@ -22,6 +22,8 @@ skipped and every arm samples the same prompts with the same seeds:
 - flow: `flows.cast.cast` in-process (Prefect's temporary local server, started before the timed
   runs by a no-op flow; a second no-op flow is reported as the cost of an empty flow run), on a
   copy of a store whose run-level stages are done; the flow-run wall time as seen by this process.
+  Its flow runs send no heartbeats, as the command line's on its temporary server
+  (`flows.launch.command_settings`).
 - rerun: the flow again with `iteration=0` on the store the flow just finished (every stage skips).
 - executors: the iteration through `tasks.stages.iteration` on the local executor and on resident
   Ray actors (a local cluster), alternating; ray / local is Ray's fixed cost (benchmarks/ray_arm.py).
@@ -282,15 +284,19 @@ def measure(recipe_path: str, overrides: dict, repeats: int, work: Path,
             lora_diff = max(float((stored[n] - t).abs().max()) for n, t in lora.items())
 
     executors = executor_arms(recipe_path, overrides, ray_repeats, template.root, work)
-    server_s, noop_s = start_prefect()
-    flow, rerun, flow_stages = [], [], []
-    for i in range(repeats):
-        root = work / f"flow-{i}"
-        shutil.copytree(template.root, root)
-        flow.append(timed_flow(recipe_path, root, overrides, None))
-        flow_stages.append(recorded_stage_seconds(root, run_id, 0))
-        rerun.append(timed_flow(recipe_path, root, overrides, 0))
-        print(f"repeat {i}: flow {flow[-1]:.2f} s, rerun {rerun[-1]:.2f} s", flush=True)
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    # as `python -m flows.cast` runs its flows on a temporary server (flows.launch.command_settings)
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        server_s, noop_s = start_prefect()
+        flow, rerun, flow_stages = [], [], []
+        for i in range(repeats):
+            root = work / f"flow-{i}"
+            shutil.copytree(template.root, root)
+            flow.append(timed_flow(recipe_path, root, overrides, None))
+            flow_stages.append(recorded_stage_seconds(root, run_id, 0))
+            rerun.append(timed_flow(recipe_path, root, overrides, 0))
+            print(f"repeat {i}: flow {flow[-1]:.2f} s, rerun {rerun[-1]:.2f} s", flush=True)
 
     def column(rows: list[dict], name: str) -> list[float]:
         return [r[name] for r in rows if name in r]
