@@ -4,11 +4,11 @@ in suites (`arms`), and the check that arms compare at equal budget (`check_equa
 Every arm starts from the committed base model. flowgrpo (data/recipes/shapes-flowgrpo.toml:
 scalar reward = mean atom score, group z-score, hand-set window [0, 3), all-dims clip range) and
 cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected through the
-verifier's heatmaps, per-position clip range) form suite `main`; suite `ablations` adds the
-one-change arms of `ONE_CHANGE` (window: cast-fixed-window, flowgrpo-calibrated,
-cast-late-window; map: cast-no-map, cast-no-map-fixed-window; per-atom vs scalar credit, which in
-cast-no-map-fixed-window - flowgrpo comes with the per-position ratio instead of the all-dims one:
-no arm changes the ratio alone; and the `FIXES`); suite `recast` adds the ReCAST pairs
+verifier's heatmaps, the map inside each sample's all-dims ratio with Flow-GRPO's clip range) form
+suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
+cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
+cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window - flowgrpo; the
+ratio: flowgrpo-per-position, cast-position-ratio; and the `FIXES`); suite `recast` adds the ReCAST pairs
 (recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
 adds the forward-process arms nft (scalar reward) and nft-cast (CAST's map as a per-position
 optimality), which sample with the ODE (`NFT`). The train settings other than the clip range and
@@ -69,11 +69,9 @@ ONE_CHANGE = (
     ("cast-late-window", "cast-fixed-window", "window: fixed [6, 9), not [0, 3) (atom maps)"),
     ("flowgrpo-per-position", "flowgrpo",
      "loss: per-position ratios (CAST's clip range) instead of the all-dims ratio (scalar reward)"),
-    ("cast-no-map-fixed-window", "flowgrpo-per-position",
-     "advantage: atom z-scores instead of the scalar reward (constant map, per-position ratio)"),
     ("cast-no-map-fixed-window", "flowgrpo",
-     ("advantage: atom z-scores (constant map, per-position ratio) instead of the scalar reward "
-     "(all-dims ratio; hand-set window)")),
+     ("advantage: CAST's atom credit (gated, pooled z-scores) as a constant map instead of the "
+      "scalar reward (both inside the sample's all-dims ratio; hand-set window)")),
     ("cast-no-map", "flowgrpo-calibrated",
      "advantage: atom z-scores instead of the scalar reward (calibrated window)"),
     ("cast-fixed-window", "cast-no-map-fixed-window",
