@@ -9,7 +9,9 @@ skipped and every arm samples the same prompts with the same seeds:
 - bare: the cast_core functions called directly in this process, no store and no Prefect. It loads
   the backbone from disk twice (once to sample, once to train), as the rollout and train stages
   each do; it includes decoding to uint8 images (what the verifier sees in the pipeline), the
-  verifier, the advantage math and `policy_update`. Prompt choice and the window are taken from a
+  verifier, the advantage math, `policy_update` and the diagnostics the training stage computes
+  (the update's KL in nats, which sets the next lr, and the rollouts' high-frequency energy).
+  Prompt choice and the window are taken from a
   store built once beforehand (the run-level stages) and are not timed. It calls the stages' own
   pure functions (`group_seeds`, `decode_uint8`, `atom_score_rows`, `atom_batch`,
   `batch_credit`, `pick_advantage`, `policy_config`), so it does exactly the stages' work: its
@@ -55,7 +57,8 @@ TARGET_OVERHEAD = 0.10  # orchestration + store overhead <= 10% against the bare
 TARGET_RERUN = 0.10  # a finished iteration re-runs in <= 10% of its first run
 ITERATION_STAGES = ("next_iteration", "rollout", "score_atoms", "compute_advantages",
                     "train_epoch", "report")
-BARE_PARTS = ("load (rollout)", "rollout", "score", "advantages", "load (train)", "train")
+BARE_PARTS = ("load (rollout)", "rollout", "score", "advantages", "load (train)", "train",
+              "train: update KL", "train: rollout hf energy")
 
 
 class Clock:
@@ -75,8 +78,9 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     """One iteration of the math alone -> (seconds per part, final LoRA tensors)."""
     from cast_core.batch_credit import batch_credit
     from cast_core.csg.graph import ATOM_TYPES, SceneGraph
+    from cast_core.diagnostics import high_frequency_energy
     from cast_core.lr_schedule import linear_warmup_lr
-    from cast_core.policy import policy_update
+    from cast_core.policy import policy_update, update_kl_nats
     from cast_core.rollout import rollout
     from tasks.stages.compute_advantages import atom_batch, credit_config
     from tasks.stages.models import load_policy, lora_tensors, scorer, set_threads
@@ -130,6 +134,10 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     adv = clock.run("advantages", advantages, scored, tuple(result.log_probs.shape[-2:]))
     backbone, _, optimizer = clock.run("load (train)", load_for_training)
     clock.run("train", train, backbone, optimizer, result, adv)
+    if recipe.sampling.noise_level > 0:  # the stage measures how far the update moved the policy
+        clock.run("train: update KL", lambda: update_kl_nats(backbone, prompts, result, spec,
+                                                             micro_batch=tr.micro_batch))
+    clock.run("train: rollout hf energy", lambda: float(high_frequency_energy(images / 255.0).mean()))
     total = time.perf_counter() - start
     return {"total": total, **clock.parts}, lora_tensors(backbone)
 
@@ -309,7 +317,8 @@ def measure(recipe_path: str, overrides: dict, repeats: int, work: Path,
         "prefect_empty_flow_s": noop_s,
         "lora_max_abs_diff_bare_vs_stages": lora_diff,
         "bare": {"total": summary(column(bare, "total")),
-                 "parts": {p: summary(column(bare, p)) for p in BARE_PARTS}},
+                 "parts": {p: summary(column(bare, p)) for p in BARE_PARTS
+                           if column(bare, p)}},
         "stages": {"total": summary(column(stages, "total")),
                    "parts": {p: summary(column(stages, p)) for p in ITERATION_STAGES},
                    "run_level": {p: summary(column(stages, p)) for p in RUN_STAGES}},
