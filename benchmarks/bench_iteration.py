@@ -25,7 +25,7 @@ skipped and every arm samples the same prompts with the same seeds:
   runs by a no-op flow; a second no-op flow is reported as the cost of an empty flow run), on a
   copy of a store whose run-level stages are done; the flow-run wall time as seen by this process.
   Its flow runs send no heartbeats, as the command line's on its temporary server
-  (`flows.launch.command_settings`).
+  (`flows.launch.temporary_server_settings`).
 - rerun: the flow again with `iteration=0` on the store the flow just finished (every stage skips).
 - executors: the iteration through `tasks.stages.iteration` on the local executor and on resident
   Ray actors (a local cluster), alternating; ray / local is Ray's fixed cost (benchmarks/ray_arm.py).
@@ -137,7 +137,8 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     if recipe.sampling.noise_level > 0:  # the stage measures how far the update moved the policy
         clock.run("train: update KL", lambda: update_kl_nats(backbone, prompts, result, spec,
                                                              micro_batch=tr.micro_batch))
-    clock.run("train: rollout hf energy", lambda: float(high_frequency_energy(images / 255.0).mean()))
+    clock.run("train: rollout hf energy",
+              lambda: float(high_frequency_energy(images / 255.0).mean()))
     total = time.perf_counter() - start
     return {"total": total, **clock.parts}, lora_tensors(backbone)
 
@@ -292,10 +293,11 @@ def measure(recipe_path: str, overrides: dict, repeats: int, work: Path,
             lora_diff = max(float((stored[n] - t).abs().max()) for n, t in lora.items())
 
     executors = executor_arms(recipe_path, overrides, ray_repeats, template.root, work)
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.settings import temporary_settings
 
-    # as `python -m flows.cast` runs its flows on a temporary server (flows.launch.command_settings)
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    from flows.launch import temporary_server_settings
+
+    with temporary_settings(updates=temporary_server_settings()):  # as `python -m flows.cast`
         server_s, noop_s = start_prefect()
         flow, rerun, flow_stages = [], [], []
         for i in range(repeats):

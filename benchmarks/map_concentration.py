@@ -26,9 +26,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.numpy import load_file
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,21 +35,21 @@ from cast_core.diagnostics import map_noise_factor
 from tasks.store.store import Store
 
 
-def iteration_figures(maps: np.ndarray, atom: np.ndarray, scalar: np.ndarray,
-                      prompts: list[str]) -> dict:
+def iteration_figures(maps: Tensor, atom: Tensor, scalar: Tensor, prompts: list[str]) -> dict:
     """The figures of one iteration: maps [N, h, w], atom [N], scalar [N], prompts [N] (ids)."""
-    mean = maps.reshape(len(maps), -1).mean(axis=1)  # [N] each map's spatial mean
+    maps, atom, scalar = maps.double(), atom.double(), scalar.double()
+    mean = maps.flatten(1).mean(dim=1)  # [N] each map's spatial mean
 
-    def group_mean(values: np.ndarray) -> float:
+    def group_mean(values: Tensor) -> float:
         groups = defaultdict(list)
-        for p, v in zip(prompts, values):
+        for p, v in zip(prompts, values.tolist()):
             groups[p].append(v)
-        return float(np.mean([np.mean(v) for v in groups.values()]))
+        return statistics.fmean(statistics.fmean(v) for v in groups.values())
 
-    return {"noise_factor": map_noise_factor(torch.from_numpy(maps)),
-            "corr_map_scalar": float(np.corrcoef(mean, scalar)[0, 1]),
-            "map_group_mean": group_mean(mean), "map_sd": float(mean.std()),
-            "atom_group_mean": group_mean(atom), "atom_sd": float(atom.std())}
+    return {"noise_factor": map_noise_factor(maps),
+            "corr_map_scalar": float(torch.corrcoef(torch.stack([mean, scalar]))[0, 1]),
+            "map_group_mean": group_mean(mean), "map_sd": float(mean.std(correction=0)),
+            "atom_group_mean": group_mean(atom), "atom_sd": float(atom.std(correction=0))}
 
 
 def run_figures(store: Store, run: str) -> dict[int, dict]:
@@ -67,10 +66,10 @@ def run_figures(store: Store, run: str) -> dict[int, dict]:
         paths = {r["map_path"] for r in rs}
         if len(paths) != 1:
             raise SystemExit(f"run {run!r} iteration {it}: maps in {len(paths)} blobs; expected 1")
-        blob = load_file(store.resolve(paths.pop()))
-        idx = np.array([r["blob_index"] for r in rs])
-        out[it] = iteration_figures(blob["maps"][idx].astype(np.float64), blob["atom"][idx],
-                                    blob["scalar"][idx], [r["prompt_id"] for r in rs])
+        blob = store.get_tensors(paths.pop())
+        idx = torch.tensor([r["blob_index"] for r in rs])
+        out[it] = iteration_figures(blob["maps"][idx], blob["atom"][idx], blob["scalar"][idx],
+                                    [r["prompt_id"] for r in rs])
     return out
 
 

@@ -52,18 +52,23 @@ def prefect_home() -> Path:
     return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
 
 
+def temporary_server_settings() -> dict:
+    """The Prefect settings of flow runs on a server that dies with the command: no flow-run
+    heartbeats. Heartbeats feed a server's detection of crashed runs, which a temporary server
+    does not keep; and Prefect's heartbeat thread sleeps in whole seconds and is joined when the
+    flow run ends, so each flow run would end up to a second late (about 0.5 s on average for an
+    iteration's run)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+    return {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+
+
 def command_settings(url: str, temporary: bool) -> dict:
     """The Prefect settings a command's flow runs take: its API `url` and, on a `temporary`
-    server (one that dies with the command), no flow-run heartbeats. Heartbeats feed a server's
-    detection of crashed runs, which a temporary server does not keep; and Prefect's heartbeat
-    thread sleeps in whole seconds and is joined when the flow run ends, so each flow run would
-    end up to a second late (about 0.5 s on average for an iteration's run)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+    server, `temporary_server_settings`."""
+    from prefect.settings import PREFECT_API_URL
 
-    updates = {PREFECT_API_URL: url}
-    if temporary:
-        updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
-    return updates
+    return {PREFECT_API_URL: url, **(temporary_server_settings() if temporary else {})}
 
 
 def _run_with_api(module: str, args: argparse.Namespace, overrides: dict | None, url: str,
