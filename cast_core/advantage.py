@@ -25,6 +25,18 @@ Gating (DSG-style, ours to specify): a child atom gets 0 in sample g when any of
 parents scored below `present_threshold` in that sample. It is applied after z-scoring, so group
 statistics still include the gated samples; pass a transitive closure to gate on ancestors.
 
+Credit norm (`credit_norm`, ours; "none" is the paper's). With "group", after gating, each
+sample's atom advantages are shifted by its group's mean credit and divided by the spread of
+the per-sample credits: with c[b, g] = mean of sample g's valid atom advantages,
+    A[b, g, a] <- (A[b, g, a] - mean_g c[b, :]) / max(std_g c[b, :], std_floor),
+so every sample's mean atom credit is the group z-score of c, as Flow-GRPO's scalar advantage is
+the group z-score of the reward. Why: parent gating zeroes children where the parent failed,
+which removes mostly negative credits, so a group's gated credits sum to about +0.10 SD 0.42
+instead of 0 (issue 17, reports/cfg1-pool8-rank32-map-decomp); and the pooled norm weighs each
+prompt by std_g R / sigma_b instead of 1. Without gating and with `atom_norm` "pooled" the
+group-normalised credit's per-sample mean is exactly Flow-GRPO's advantage (c is an affine map
+of the mean atom score R), so the two differ only where gating (or the map) makes them differ.
+
 Scalar baseline (Flow-GRPO): reward = mean or geometric mean of a sample's valid atom scores;
 "group" z-scores with per-prompt mean and std, "global_std" with per-prompt mean and one std over
 the whole batch. In both modes a prompt whose group std is <= std_floor gets exactly 0.
@@ -103,6 +115,7 @@ from torch import Tensor
 HeatmapNorm = Literal["mass", "peak"]
 AtomNorm = Literal["atom", "pooled"]
 HeatmapSource = Literal["own", "group_others"]
+CreditNorm = Literal["none", "group"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +214,29 @@ def gate_by_parents(
     absent = (scores < present_threshold).to(torch.float32)  # [B, G, A_p]
     n_absent = absent @ parents.transpose(1, 2).to(torch.float32)  # [B, G, A]
     return torch.where(n_absent > 0, torch.zeros_like(advantages), advantages)
+
+
+def group_normalise_credit(advantages: Tensor, atom_mask: Tensor,
+                           std_floor: float = 1e-4) -> Tensor:
+    """Put each sample's atom credit on Flow-GRPO's scale (module docstring, "Credit norm").
+
+    advantages [B, G, A] (gated or not), atom_mask [B, A] bool -> [B, G, A]: with c[b, g] the
+    mean of sample g's valid atom advantages, every valid atom's advantage becomes
+    (A[b, g, a] - mean_g c[b, :]) / max(std_g c[b, :], std_floor), so the new per-sample means
+    are the group z-scores of c; a group whose c has std <= std_floor is a tie (all 0), padded
+    atoms stay 0."""
+    _check_atoms(advantages, atom_mask)
+    if std_floor <= 0:
+        raise ValueError(f"std_floor must be > 0, got {std_floor}; use e.g. 1e-4")
+    mask = atom_mask[:, None, :]  # [B, 1, A]
+    n = atom_mask.sum(dim=-1).clamp_min(1).to(advantages.dtype)[:, None]  # [B, 1]
+    c = torch.where(mask, advantages, 0.0).sum(dim=-1) / n  # [B, G]
+    c_mean = c.mean(dim=1)  # [B]
+    c_std = c.std(dim=1, correction=0)  # [B]
+    tied = c_std <= std_floor  # [B]
+    out = (advantages - c_mean[:, None, None]) / c_std.clamp_min(std_floor)[:, None, None]
+    live = mask & ~tied[:, None, None]  # [B, 1, A]
+    return torch.where(live, out, torch.zeros_like(out))
 
 
 def scalar_advantages(

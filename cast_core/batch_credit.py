@@ -4,7 +4,9 @@ Composes `cast_core.advantage` for one batch of B prompt groups of G samples (N 
 sample n = b G + g, prompt-major as the rollout stores them):
 1. atom advantages: group z-scores of the atom scores (`atom_advantages`, `atom_norm`), then,
    with `gate_by_parents`, a child atom's credit zeroed in the samples where a direct parent
-   scored < 0.5 (`gate_by_parents`);
+   scored < 0.5 (`gate_by_parents`); with `credit_norm` "group", each sample's credits then
+   shifted and scaled so that its mean atom credit is the group z-score of those means
+   (`group_normalise_credit`);
 2. the scalar reward of each sample (`atom_reward`) and its Flow-GRPO advantage
    (`scalar_advantages`);
 3. CAST's pixel map (`pixel_advantage_map`) from the gated advantages and the heatmaps that
@@ -25,6 +27,7 @@ from torch import Tensor
 from cast_core.advantage import (
     AtomAdvantages,
     AtomNorm,
+    CreditNorm,
     HeatmapNorm,
     HeatmapSource,
     ScalarAdvantages,
@@ -33,6 +36,7 @@ from cast_core.advantage import (
     atom_reward,
     gate_by_parents,
     group_heatmaps,
+    group_normalise_credit,
     grouped_advantage_maps,
     pixel_advantage_map,
     pool_to_grid,
@@ -88,12 +92,13 @@ class CreditConfig:
     atom_norm: AtomNorm = "atom"
     spatial_mix: float = 1.0
     heatmap_source: HeatmapSource = "own"
+    credit_norm: CreditNorm = "none"
 
 
 @dataclass(frozen=True)
 class BatchCredit:
     """atoms: the ungated atom advantages with their group statistics ([B, G, A], [B, A]);
-    advantages [B, G, A] after gating; gated [B, G, A] bool, the credits gating zeroed; rewards
+    advantages [B, G, A] after gating and the credit norm; gated [B, G, A] bool, the credits gating zeroed; rewards
     [B, G]; scalar: Flow-GRPO's advantages of them; maps [N, h, w] CAST's clamped pixel map on
     the log-prob grid; atom [N] the no-map credit; type_maps [N, T, h, w] the map's unclamped
     share of each atom type; mass [N] mean |map| at pixel resolution; coverage [N] the mean
@@ -122,6 +127,8 @@ def batch_credit(batch: AtomBatch, config: CreditConfig, grid: tuple[int, int],
     if config.gate_by_parents:
         a = gate_by_parents(adv.advantages, s, batch.parents)
         gated = gate_by_parents(torch.ones_like(a), s, batch.parents) == 0
+    if config.credit_norm == "group":
+        a = group_normalise_credit(a, mask, config.std_floor)
     rewards = atom_reward(s, mask, config.reward)  # [B, G]
     scalar = scalar_advantages(rewards, config.scalar_mode, config.std_floor)
     flat_a = a.reshape(b * g, a_max).float()  # [N, A]

@@ -435,3 +435,16 @@ def test_own_heatmaps_bias_the_policy_gradient_and_the_group_others_do_not(q):
                                    rtol=0)
     if q == 0.7:
         assert truth < 0  # the truth: fewer pixels on
+
+
+def test_group_normalise_credit_closed_form_tie_and_padding():
+    from cast_core.advantage import group_normalise_credit
+
+    adv = torch.tensor([[[1.0, 3.0, 9.0], [-1.0, 1.0, 9.0]],  # c = 2, 0: mean 1, std 1
+                        [[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]], dtype=torch.float64)  # c tied
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    out = group_normalise_credit(adv, mask)
+    assert out[0].tolist() == [[0.0, 2.0, 0.0], [-2.0, 0.0, 0.0]]
+    assert (out[1] == 0).all()
+    with pytest.raises(ValueError, match="std_floor"):
+        group_normalise_credit(adv, mask, std_floor=0.0)

@@ -110,3 +110,30 @@ def test_credit_config_carries_every_advantage_field_but_kind():
         AdvantageSection.model_fields) - {"kind"}
     assert (config.atom_norm, config.spatial_mix, config.heatmap_source,
             config.global_weight) == ("pooled", 0.5, "group_others", 0.0)
+
+
+def test_group_credit_norm_without_gating_is_flowgrpo_exactly():
+    """Closed form: with pooled atom z-scores and no gate, a sample's mean atom credit is an
+    affine map of its mean atom score R, so its group z-score is Flow-GRPO's advantage."""
+    _, batch = atom_batch(_rows(SCORES), ["p0", "p1"], G, PARENTS)
+    config = CreditConfig(gate_by_parents=False, atom_norm="pooled", credit_norm="group")
+    credit = batch_credit(batch, config, (2, 2), len(ATOM_TYPES))
+    scalar = credit.scalar.advantages.reshape(-1).float()
+    assert torch.allclose(credit.atom, scalar, atol=1e-6)
+    plain = batch_credit(batch, CreditConfig(gate_by_parents=False, atom_norm="pooled"), (2, 2),
+                         len(ATOM_TYPES))
+    assert not torch.allclose(plain.atom, scalar, atol=1e-3)  # the pooled norm alone is not it
+
+
+def test_group_credit_norm_centres_the_gated_credit_on_zero_with_unit_spread():
+    """Gating removes mostly negative credits (a failed parent's children), so the plain gated
+    credit of a group need not sum to 0; after the group norm its per-sample means are z-scores."""
+    _, batch = atom_batch(_rows(SCORES), ["p0", "p1"], G, PARENTS)
+    plain = batch_credit(batch, CreditConfig(clip=100.0), (2, 2), len(ATOM_TYPES))
+    assert plain.atom.view(2, G).sum(1).abs().max() > 0.1
+    normed = batch_credit(batch, CreditConfig(clip=100.0, credit_norm="group"), (2, 2),
+                          len(ATOM_TYPES))
+    c = normed.atom.view(2, G).double()  # [B, G]
+    assert torch.allclose(c.mean(1), torch.zeros(2, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(c.std(1, correction=0), torch.ones(2, dtype=torch.float64), atol=1e-6)
+    assert torch.equal(normed.gated, plain.gated)

@@ -7,8 +7,9 @@ cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected 
 verifier's heatmaps, the map inside each sample's all-dims ratio with Flow-GRPO's clip range) form
 suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
 cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
-cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window - flowgrpo; the
-ratio: flowgrpo-per-position, cast-position-ratio; and the `FIXES`); suite `recast` adds the ReCAST pairs
+cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window - flowgrpo, and
+the `CREDIT_FIXES` against it; the ratio: flowgrpo-per-position, cast-position-ratio; and the
+`FIXES`); suite `recast` adds the ReCAST pairs
 (recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
 adds the forward-process arms nft (scalar reward) and nft-cast (CAST's map as a per-position
 optimality), which sample with the ODE (`NFT`). The train settings other than the clip range and
@@ -58,6 +59,14 @@ FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
          ("cast-own-heatmaps", {"advantage.heatmap_source": "own"},
           ("cast with each sample's credit through its own heatmaps (the paper's), which its "
            "own actions drew, instead of its group's other samples'")))
+# Changes to CAST's atom credit alone (each one change to cast-no-map-fixed-window, whose credit
+# is the only thing that differs from flowgrpo's).
+CREDIT_FIXES = (("cast-no-map-no-gate", {"advantage.gate_by_parents": False},
+                 ("atom credit without parent gating (pooled z-scores: Flow-GRPO's advantage "
+                  "times std_g R / sigma_b per prompt)")),
+                ("cast-no-map-group-norm", {"advantage.credit_norm": "group"},
+                 ("gated atom credit group-normalised (each sample's mean credit a group "
+                  "z-score, as Flow-GRPO's advantage)")))
 # ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
 RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
 # One change at a time: (arm, reference arm, what the arm changes). Each row of the report's
@@ -79,6 +88,7 @@ ONE_CHANGE = (
     ("cast", "cast-no-map", ("map: heatmap projection instead of a constant map (calibrated "
      "window)")),
     *((name, "cast", about.removeprefix("cast ")) for name, _, about in FIXES),
+    *((name, "cast-no-map-fixed-window", "credit: " + about) for name, _, about in CREDIT_FIXES),
     ("cast", "flowgrpo", "all of CAST at once (the headline comparison)"),
 )
 
@@ -118,6 +128,8 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
             "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
         Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
             "atom advantages, constant map, Flow-GRPO's window"),
+        *(Arm(name, CAST_RECIPE, {"advantage.kind": "atom", **fixed, **overrides}, about)
+          for name, overrides, about in CREDIT_FIXES),
         Arm("flowgrpo-per-position", FLOWGRPO_RECIPE,
             {"advantage.kind": "scalar_map", "train.clip_range": cast_clip},
             "scalar reward as a constant map through CAST's per-position ratios and clip"))

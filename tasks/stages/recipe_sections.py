@@ -202,10 +202,14 @@ class AdvantageSection(Section):
     share of each atom's credit projected through its heatmap, the rest spread uniformly (1 =
     the paper's map, 0 = no projection); `heatmap_source` "own" (each sample's credit through
     its own heatmaps, the paper's) or "group_others" (through the mean of the other samples' of its
-    group, which do not depend on the sample's own actions; `cast_core.advantage`, issue 17)."""
+    group, which do not depend on the sample's own actions; `cast_core.advantage`, issue 17);
+    `credit_norm` "none" (the paper's) or "group" (after gating, each sample's atom credits
+    shifted and scaled so that its mean atom credit is the group z-score of those means, as
+    Flow-GRPO's advantage is of the reward: gating otherwise leaves a group's credits summing to
+    more than 0; `cast_core.advantage.group_normalise_credit`)."""
 
     hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm", "atom_norm", "spatial_mix",
-                                              "heatmap_source")
+                                              "heatmap_source", "credit_norm")
 
     kind: Literal["spatial", "scalar", "atom", "scalar_map"]
     gate_by_parents: bool = True
@@ -218,6 +222,7 @@ class AdvantageSection(Section):
     atom_norm: Literal["atom", "pooled"] = "atom"
     spatial_mix: float = Field(1.0, ge=0.0, le=1.0)
     heatmap_source: Literal["own", "group_others"] = "own"
+    credit_norm: Literal["none", "group"] = "none"
 
 
 class TrainSection(Section):
