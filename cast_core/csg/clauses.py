@@ -46,6 +46,12 @@ SEP = "sep"
 # Relations that hold both ways, after which "and" may add a second object ("a pen beside a notebook
 # and a pencil"): "X next to A and B rel C" may be a list after "next to" or a new clause.
 PROXIMITY = frozenset({"next to", "close to"})
+# Relations between two objects apart, after which "with" in a chain is the object's ("a boat near
+# a dock with two buoys": the dock's; "a kid next to a snowman with a red scarf"), as every list
+# writes it (15 of 15). After "on", "in", "on top of", "against", "around" and "between" the lists
+# write it both ways ("a bear on a rock with two cubs", "a mug on a saucer with a spoon").
+WITH_AFTER = frozenset({"next to", "close to", "behind", "in front of", "above", "below",
+                        "left of", "right of"})
 # Pronouns read as the object of a relation ("a table with a vase on it"); the parser resolves them.
 PRONOUNS = frozenset({"it", "them"})
 STATEMENT_ENDS = (";", ".")
@@ -279,10 +285,12 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
     if op.canonical == "with" and scene:
         return subjects
     if op.canonical == "with":
-        if not any(s in subjects and rel == "with" for s, rel, _ in edges):
+        if relation.canonical not in WITH_AFTER and not any(
+                s in subjects and rel == "with" for s, rel, _ in edges):
             raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
                              "noun phrase it belongs to (the first one or the one right before "
-                             "it) is ambiguous; only 'A with B rel C with D' reads D as C's")
+                             "it) is ambiguous; only 'A with B rel C with D' and 'with' after "
+                             f"{sorted(WITH_AFTER)} read it as the one right before it")
         return [k]
     worn = relation.form == "in" and _in_reading(spans[k]) == "wearing"
     if relation.form == "in" and not worn and _in_reading(spans[k]) is None \
@@ -313,11 +321,12 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
 
 
 def is_scene(span: list[str]) -> bool:
-    """Whether a noun phrase is the scene around its subject: "the" + one of `SCENE_GROUNDS` ("in
-    the snow", "on the grass") or the bare ground after attributes ("in tall grass")."""
+    """Whether a noun phrase is the scene around its subject: "the", "a" or "an" + one of
+    `SCENE_GROUNDS` ("in the snow", "on the grass", "in a desert", "in a meadow") or the bare
+    ground after attributes ("in tall grass")."""
     if not span or singularize(span[-1]) not in SCENE_GROUNDS:
         return False
-    words = span[1:] if span[0] == "the" else span
+    words = span[1:] if span[0] in ("the", "a", "an") else span
     return all(w in ATTRIBUTE_KIND for w in words[:-1])
 
 
