@@ -18,7 +18,8 @@ places the noun phrase it follows (B), or the subject (A) after "with" and after
 ("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
 the container ("a cat in a basket on a sofa"). A chain whose later relation is "with" ("a girl on
 a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
-woman with a dog": the dog is the woman's), or whose first relation is "in" something neither a
+woman with a dog": the dog is the woman's) or the relation before it is one of `WITH_AFTER`
+("a boat near a dock with two buoys": the dock's), or whose first relation is "in" something neither a
 garment nor a container, "with" after a list ("a cat and a dog with a collar": whose?), "between"
 followed by a list of more than two or by a relation after its list ("a lamp between a bed and a
 desk on a rug"), and a new clause after two or more objects raise ValueError saying why.
