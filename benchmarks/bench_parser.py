@@ -18,7 +18,9 @@ Sets:
   before the eighth round, which guided the ninth) and tests/data/compositional_heldout9.jsonl
   (361 prompts written before the ninth round, which guided the tenth) and
   tests/data/compositional_heldout10.jsonl (352 prompts written before the tenth round, which
-  also used its refusals: its figure after that round is not a held-out one), each with its
+  also used its refusals: its figure after that round is not a held-out one) and
+  tests/data/compositional_heldout11.jsonl (372 prompts written before the eleventh round, which
+  also used its refusals), each with its
   intended graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline
   grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
@@ -62,7 +64,8 @@ HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout3.jsonl", "compositional_heldout4.jsonl",
             "compositional_heldout5.jsonl", "compositional_heldout6.jsonl",
             "compositional_heldout7.jsonl", "compositional_heldout8.jsonl",
-            "compositional_heldout9.jsonl", "compositional_heldout10.jsonl")
+            "compositional_heldout9.jsonl", "compositional_heldout10.jsonl",
+            "compositional_heldout11.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:

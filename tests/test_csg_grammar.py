@@ -248,6 +248,8 @@ def test_prompt_length_and_atom_limits():
 # sandcastle is next to the bucket only).
 # The tenth list writes "a dark forest" as the forest's state; the sixth and eighth lists and the
 # table write "dark" alone as a colour ("a dark lake", "a dark forest"), as the parser reads it.
+# The eleventh list writes "a dusty piano" as the piano's state; nine lines of lists 2 to 10 write
+# "dusty" as texture, as the vocabulary does.
 LABEL_DIFFERENCES = {
     "compositional_heldout.jsonl": ["six yellow rubber ducks in front of a bathtub",
                                     "a pair of skis",
@@ -274,6 +276,7 @@ LABEL_DIFFERENCES = {
     "compositional_heldout8.jsonl": [],
     "compositional_heldout9.jsonl": [],
     "compositional_heldout10.jsonl": ["an orange fox in front of a dark forest"],
+    "compositional_heldout11.jsonl": ["a torn poster above a dusty piano"],
 }
 
 

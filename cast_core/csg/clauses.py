@@ -18,7 +18,8 @@ places the noun phrase it follows (B), or the subject (A) after "with" and after
 ("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
 the container ("a cat in a basket on a sofa"). A chain whose later relation is "with" ("a girl on
 a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
-woman with a dog": the dog is the woman's), or whose first relation is "in" something neither a
+woman with a dog": the dog is the woman's) or the relation before it is one of `WITH_AFTER`
+("a boat near a dock with two buoys": the dock's), or whose first relation is "in" something neither a
 garment nor a container, "with" after a list ("a cat and a dog with a collar": whose?), "between"
 followed by a list of more than two or by a relation after its list ("a lamp between a bed and a
 desk on a rug"), and a new clause after two or more objects raise ValueError saying why.
@@ -46,6 +47,12 @@ SEP = "sep"
 # Relations that hold both ways, after which "and" may add a second object ("a pen beside a notebook
 # and a pencil"): "X next to A and B rel C" may be a list after "next to" or a new clause.
 PROXIMITY = frozenset({"next to", "close to"})
+# Relations between two objects apart, after which "with" in a chain is the object's ("a boat near
+# a dock with two buoys": the dock's; "a kid next to a snowman with a red scarf"), as every list
+# writes it (15 of 15). After "on", "in", "on top of", "against", "around" and "between" the lists
+# write it both ways ("a bear on a rock with two cubs", "a mug on a saucer with a spoon").
+WITH_AFTER = frozenset({"next to", "close to", "behind", "in front of", "above", "below",
+                        "left of", "right of"})
 # Pronouns read as the object of a relation ("a table with a vase on it"); the parser resolves them.
 PRONOUNS = frozenset({"it", "them"})
 STATEMENT_ENDS = (";", ".")
@@ -279,10 +286,12 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
     if op.canonical == "with" and scene:
         return subjects
     if op.canonical == "with":
-        if not any(s in subjects and rel == "with" for s, rel, _ in edges):
+        if relation.canonical not in WITH_AFTER and not any(
+                s in subjects and rel == "with" for s, rel, _ in edges):
             raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
                              "noun phrase it belongs to (the first one or the one right before "
-                             "it) is ambiguous; only 'A with B rel C with D' reads D as C's")
+                             "it) is ambiguous; only 'A with B rel C with D' and 'with' after "
+                             f"{sorted(WITH_AFTER)} read it as the one right before it")
         return [k]
     worn = relation.form == "in" and _in_reading(spans[k]) == "wearing"
     if relation.form == "in" and not worn and _in_reading(spans[k]) is None \
@@ -313,11 +322,12 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
 
 
 def is_scene(span: list[str]) -> bool:
-    """Whether a noun phrase is the scene around its subject: "the" + one of `SCENE_GROUNDS` ("in
-    the snow", "on the grass") or the bare ground after attributes ("in tall grass")."""
+    """Whether a noun phrase is the scene around its subject: "the", "a" or "an" + one of
+    `SCENE_GROUNDS` ("in the snow", "on the grass", "in a desert", "in a meadow") or the bare
+    ground after attributes ("in tall grass")."""
     if not span or singularize(span[-1]) not in SCENE_GROUNDS:
         return False
-    words = span[1:] if span[0] == "the" else span
+    words = span[1:] if span[0] in ("the", "a", "an") else span
     return all(w in ATTRIBUTE_KIND for w in words[:-1])
 
 

@@ -154,6 +154,15 @@ def parse_prompt(prompt: str, tag: str | None = None,
             edges += apply_predicate(spans, ops, phrases, edges, prompt, listed, opening)
             continue
         spans = [spans[0][:-1], *spans[1:]] if relates else spans
+        sides = _picture_sides(spans, ops)
+        if sides is not None:
+            start = len(phrases)
+            _clause([spans[0], spans[2]], [ops[1]], phrases, prompt, listed, n == 0 and body == text,
+                    False, groups)
+            left = start if sides == "left" else start + 1
+            edges.append((left, "left of", start + 1 if sides == "left" else start))
+            opening = False
+            continue
         edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
                          opening and bool(relates), groups)
         opening = opening and all(span[:1] in (["the"], ["each"]) for span in spans)
@@ -210,6 +219,20 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         found = _lists(edges[1:] if each_other else edges, index)
         groups += sorted({tuple(index[:2]), *found}) if each_other else found
     return edges
+
+
+def _picture_sides(spans: list[list[str]], ops: list[str | Relation]) -> str | None:
+    """The side of the first noun phrase in "A on the left and B on the right" (or right, then
+    left; "," for "and"), one edge from the one on the left to the other, as every list writes it;
+    None for any other statement. Each side is a noun phrase written with a/an or a count."""
+    if len(spans) != 4 or [getattr(op, "form", op) for op in ops] != ["on", SEP, "on"]:
+        return None
+    first, second = spans[1], spans[3]
+    if {tuple(first), tuple(second)} != {("the", "left"), ("the", "right")}:
+        return None
+    if spans[0][:1] == ["the"] or spans[2][:1] == ["the"]:
+        return None
+    return first[1]
 
 
 def _unpose(span: list[str], relation: Relation, phrases: list[NounPhrase], at: int, prompt: str,

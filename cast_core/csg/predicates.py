@@ -16,7 +16,6 @@ from cast_core.csg.vocab import (
     ATTRIBUTE_KIND,
     ATTRIBUTE_KINDS,
     COLOR_MODIFIERS,
-    PARTS,
     singularize,
 )
 from cast_core.csg.words import made_of, merge_attributes, read_attributes
@@ -55,8 +54,9 @@ def _possessed_subject(subject: list[str], phrases: list[NounPhrase],
                        opening: bool) -> tuple[int, list[tuple[int, str, int]]]:
     """(index, new edges) of "the X's Y" opening a predication ("a black cat; the cat's collar is
     red"): X names a noun phrase as "the X" does, and Y is the one Y that X is "with" already, or
-    a new noun phrase of one with a "with" edge from X, as the lists write it. A part ("the cat's
-    tail is black": the tail's colour or the cat's?), a plural ("the cat's kittens": how many?)
+    a new noun phrase of one with a "with" edge from X, as the lists write it; since the eleventh
+    round a part too ("a black piano; the piano's lid is open", "the cat's tail is striped": the
+    cat with a tail, striped, as every list writes it). A plural ("the cat's kittens": how many?)
     and a Y written before that is no one's ("a cat and a collar; the cat's collar is red": that
     collar or another?) are refused."""
     at = next(k for k, w in enumerate(subject) if w.endswith("'s"))
@@ -66,10 +66,9 @@ def _possessed_subject(subject: list[str], phrases: list[NounPhrase],
                            f"only as 'the X's Y is ...' ('the cat's collar is red'); {LLM_HINT}")
     owner = read_reference([*subject[:at], subject[at][:-2]], phrases, prompt, nouns, "", opening)
     phrase = read_phrase(["a", *owned], prompt, nouns, "", False)
-    if phrase.noun in PARTS or singularize(owned[-1]) != owned[-1]:
-        what = "a part" if phrase.noun in PARTS else "a plural, with no count"
-        raise fail(prompt, f"{said!r} names {what} ({owned[-1]!r}), which the offline parser "
-                           f"does not place; {LLM_HINT}")
+    if singularize(owned[-1]) != owned[-1]:
+        raise fail(prompt, f"{said!r} names a plural, with no count ({owned[-1]!r}), which the "
+                           f"offline parser does not place; {LLM_HINT}")
     held = [j for a, r, j in edges if (a, r) == (owner, "with") and phrases[j].noun == phrase.noun]
     if held:
         return held[0], []

@@ -95,6 +95,10 @@ RELATION_PHRASES = MappingProxyType({
     "near": "close to", "close to": "close to",
     "with": "with", "on": "on", "in": "in", "inside": "in", "around": "around",
     "between": "between", "in between": "between", "against": "against",
+    # a place on the object's surface is on it, as every list writes it ("a glass on the edge of
+    # a table", "a bench at the top of a hill"); "in the middle/corner of" stays refused (the
+    # lists write "in", "on" and a relation of its own)
+    "on the edge of": "on", "at the top of": "on",
 })
 RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
     (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))
