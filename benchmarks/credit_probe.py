@@ -30,20 +30,12 @@ from pathlib import Path
 
 import torch
 
-from cast_core.advantage import (
-    atom_advantages,
-    atom_mean_credit,
-    atom_reward,
-    gate_by_parents,
-    group_heatmaps,
-    pixel_advantage_map,
-    pool_to_grid,
-    scalar_advantages,
-)
+from cast_core.advantage import atom_advantages, atom_reward, gate_by_parents, scalar_advantages
 from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.csg.geneval import graph_from_geneval
 from cast_core.lora import add_lora
 from cast_core.lr_schedule import linear_warmup_lr
+from cast_core.pixel_map import atom_mean_credit, group_heatmaps, pixel_advantage_map, pool_to_grid
 from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.sampling import sample_ode

@@ -1,6 +1,6 @@
 """One iteration's credit from its atom scores: every advantage the trainer may train on.
 
-Composes `cast_core.advantage` for one batch of B prompt groups of G samples (N = B G samples,
+Composes `cast_core.advantage` and `cast_core.pixel_map` for one batch of B prompt groups of G samples (N = B G samples,
 sample n = b G + g, prompt-major as the rollout stores them):
 1. atom advantages: group z-scores of the atom scores (`atom_advantages`, `atom_norm`), then,
    with `gate_by_parents`, a child atom's credit zeroed in the samples where a direct parent
@@ -28,19 +28,21 @@ from cast_core.advantage import (
     AtomAdvantages,
     AtomNorm,
     CreditNorm,
-    HeatmapNorm,
-    HeatmapSource,
     ScalarAdvantages,
     atom_advantages,
-    atom_mean_credit,
     atom_reward,
     gate_by_parents,
-    group_heatmaps,
     group_normalise_credit,
+    scalar_advantages,
+)
+from cast_core.pixel_map import (
+    HeatmapNorm,
+    HeatmapSource,
+    atom_mean_credit,
+    group_heatmaps,
     grouped_advantage_maps,
     pixel_advantage_map,
     pool_to_grid,
-    scalar_advantages,
 )
 
 

@@ -6,16 +6,13 @@ import math
 import pytest
 import torch
 
-from cast_core.advantage import (
-    atom_advantages,
+from cast_core.advantage import atom_advantages, atom_reward, gate_by_parents, scalar_advantages
+from cast_core.pixel_map import (
     atom_mean_credit,
-    atom_reward,
-    gate_by_parents,
     group_heatmaps,
     grouped_advantage_maps,
     pixel_advantage_map,
     pool_to_grid,
-    scalar_advantages,
 )
 
 
@@ -417,7 +414,7 @@ def _expected_credit_gradient(q: float, source: str, g: int = 2) -> torch.Tensor
 
 @pytest.mark.parametrize("q", [0.5, 0.7, 0.3])
 def test_own_heatmaps_bias_the_policy_gradient_and_the_group_others_do_not(q):
-    """Closed form (cast_core.advantage, "Heatmap source"): E[score] = 2 q (1 - q) has the
+    """Closed form (cast_core.pixel_map, "Heatmap source"): E[score] = 2 q (1 - q) has the
     per-pixel gradient q (1 - q)(1 - 2 q) (0 at its maximum q = 1/2). With the other sample's
     heatmap (mass-normalised, E = 1 per pixel) and G = 2 z-scores (A = score - other score) the
     expected credit gradient is exactly 2x the true one. With each sample's own heatmap a pixel

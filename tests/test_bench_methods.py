@@ -22,6 +22,8 @@ from methods.arms import (
     BASELINE,
     CAST_RECIPE,
     FIXES,
+    NFT,
+    NFT_STEP,
     ONE_CHANGE,
     RECAST_PAIRS,
     SKEWED,
@@ -582,8 +584,9 @@ def test_report_only_names_what_an_unfinished_store_lacks(tmp_path, monkeypatch)
 def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
     """The forward-process arms share everything with the SDE arms but the SDE's exploration
     settings; the SDE arms must still agree on those among themselves."""
-    nft_arms = arms("nft")
-    assert [a.name for a in nft_arms] == ["flowgrpo", "cast", "nft", "nft-cast"]
+    nft_arms = arms("nft")[:4]
+    assert [a.name for a in arms("nft")] == ["flowgrpo", "cast", "nft", "nft-cast", "nft-b01",
+                                              "nft-cast-b01"]
     recipes = [recipe_for(a, 0, QUICK, f"t-{a.name}", 1) for a in nft_arms]
     check_equal_budget(recipes)
     nft, nft_cast = recipes[2:]
@@ -605,6 +608,22 @@ def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
         check_equal_budget([targeted[0], slower])  # SDE arms share their step
     with pytest.raises(ValueError, match="train.lr"):
         check_equal_budget([*targeted[:3], recipe_for(nft_arms[3], 0, QUICK, "t-n", 1, lr=3e-4)])
+
+
+def test_nft_arms_with_their_own_step_keep_it_under_any_protocol_and_share_it():
+    """nft-b01 and nft-cast-b01 train at NFT_STEP whatever the protocol's lr or KL target; the
+    step is compared among the arms of one objective and one NFT beta."""
+    every = arms("nft")
+    targeted = [recipe_for(a, 0, QUICK, f"t-{a.name}", 1, lr=1e-3, kl_target=0.03) for a in every]
+    check_equal_budget(targeted)  # nft/nft-cast at 1e-3 and beta 1, the -b01 pair at NFT_STEP
+    b01 = targeted[4:]
+    assert [(r.train.lr, r.train.nft_beta, r.train.kl_target_nats) for r in b01] == \
+        [(NFT_STEP["train.lr"], NFT_STEP["train.nft_beta"], None)] * 2
+    assert targeted[2].train.lr == 1e-3 and targeted[2].train.nft_beta == 1.0
+    other = recipe_for(Arm("x", CAST_RECIPE, {**NFT, "window.start": 0}, "",
+                           fixed={**NFT_STEP, "train.lr": 1e-2}), 0, QUICK, "t-x", 1, lr=1e-3)
+    with pytest.raises(ValueError, match="train.lr"):
+        check_equal_budget([*targeted, other])  # one beta, two step sizes
 
 
 def test_pool_file_takes_the_pools_first_prompts(tmp_path):

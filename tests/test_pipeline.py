@@ -425,7 +425,7 @@ def test_group_others_heatmaps_build_each_map_from_the_other_samples(ref, tmp_pa
     advantages and the training rerun; each stored map is the pixel map of the sample's stored
     (gated) atom advantages through the mean of its group's *other* samples' heatmaps, which
     differs from the map through its own."""
-    from cast_core.advantage import group_heatmaps, pixel_advantage_map
+    from cast_core.pixel_map import group_heatmaps, pixel_advantage_map
 
     src, _, prompts, _ = ref
     shutil.copytree(src.root, tmp_path / "store")

@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cast_core.advantage import atom_advantages, pixel_advantage_map, scalar_advantages
+from cast_core.advantage import atom_advantages, scalar_advantages
 from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.lora import add_lora
 from cast_core.loss import scalar_clipped_loss, spatial_clipped_loss
+from cast_core.pixel_map import pixel_advantage_map
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.window import SdeWindow
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from pipeline_helpers import ci_recipe, reference, run_iteration
 
-from cast_core.advantage import grouped_advantage_maps, pixel_advantage_map, step_weighted_maps
 from cast_core.credit import mean_normalise, recast_weights
+from cast_core.pixel_map import grouped_advantage_maps, pixel_advantage_map, step_weighted_maps
 from cast_core.recast_gains import (
     ATOM_TYPES,
     RecastGains,

@@ -12,14 +12,15 @@ the `CREDIT_FIXES` against it; the ratio: flowgrpo-per-position, cast-position-r
 `FIXES`); suite `recast` adds the ReCAST pairs
 (recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
 adds the forward-process arms nft (scalar reward) and nft-cast (CAST's map as a per-position
-optimality), which sample with the ODE (`NFT`). The train settings other than the clip range and
-the step size are equal across arms, the step size among the arms of one objective
+optimality), which sample with the ODE (`NFT`), at the protocol's lr and the recipe's beta, and the
+same two at the step that overfits one prompt (nft-b01, nft-cast-b01: `NFT_STEP`). The train settings other than the clip range and
+the step size are equal across arms, the step size among the arms of one objective and NFT beta
 (`check_equal_budget`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FLOWGRPO_RECIPE = "data/recipes/shapes-flowgrpo.toml"
 CAST_RECIPE = "data/recipes/shapes-cast.toml"
@@ -27,9 +28,10 @@ BASELINE = "flowgrpo"
 SAME_SECTIONS = ("backbone", "scorer", "builder", "prompts", "sampling")
 SAME_TRAIN = ("lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_epoch",
               "micro_batch", "warmup_steps", "max_grad_norm", "weight_decay")
-# The step size, equal among the arms of one objective. A forward-process (NFT) arm cannot target
-# a KL (its ODE rollouts have no likelihoods), so under a KL-targeted protocol it trains at the
-# protocol's first lr, constant, while the SDE arms' lr follows their KL target.
+# The step size, equal among the arms of one objective (and, for NFT, one beta). A forward-process
+# (NFT) arm cannot target a KL (its ODE rollouts have no likelihoods), so under a KL-targeted
+# protocol it trains at the protocol's first lr, constant, while the SDE arms' lr follows their KL
+# target; an arm's `fixed` step (`NFT_STEP`) replaces the protocol's.
 STEP = ("lr", "kl_target_nats", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling")
 SUITES = ("main", "ablations", "recast", "nft")
 # The SDE's exploration settings, equal across the SDE arms; the forward-process arms (NFT) sample
@@ -37,6 +39,10 @@ SUITES = ("main", "ablations", "recast", "nft")
 SDE_SAMPLING = ("noise_level", "sde_kind", "shared_noise", "noise_block")
 NFT = {"train.objective": "nft", "sampling.noise_level": 0.0, "sampling.shared_noise": False,
        "window.mode": "fixed"}
+# The forward-process step that overfits one prompt (reports/nft-one-prompt: beta 0.1 at a
+# constant lr 3e-3 raised it by +0.511 [+0.263, +0.759] over 5 seeds; beta 1, the recipe's
+# default, learned it at no lr tried). The `-b01` arms take it whatever the protocol's lr.
+NFT_STEP = {"train.nft_beta": 0.1, "train.lr": 3e-3}
 # The skewed budgets: the two weakest atom types of the base (count, relation) count double.
 SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
 # Window ablation: the steps where the atom types become decidable on the base model (ReCAST's
@@ -89,6 +95,12 @@ ONE_CHANGE = (
      "window)")),
     *((name, "cast", about.removeprefix("cast ")) for name, _, about in FIXES),
     *((name, "cast-no-map-fixed-window", "credit: " + about) for name, _, about in CREDIT_FIXES),
+    # Against Flow-GRPO each credit fix is one change too: the group norm without the gate is
+    # Flow-GRPO's advantage exactly (`cast_core.advantage`, "Credit norm").
+    ("cast-no-map-no-gate", "flowgrpo",
+     "credit: Flow-GRPO's advantage reweighted per prompt by std_g R / sigma_b (pooled norm)"),
+    ("cast-no-map-group-norm", "flowgrpo",
+     "credit: parent gating alone (group-normalised, otherwise Flow-GRPO's advantage)"),
     ("cast", "flowgrpo", "all of CAST at once (the headline comparison)"),
 )
 
@@ -96,12 +108,14 @@ ONE_CHANGE = (
 
 @dataclass(frozen=True)
 class Arm:
-    """One method: a committed recipe plus overrides."""
+    """One method: a committed recipe plus overrides; `fixed` are settings the protocol's step
+    (its lr, KL target) does not replace, e.g. an NFT arm's own lr and beta (`NFT_STEP`)."""
 
     name: str
     recipe: str
     overrides: dict
     about: str
+    fixed: dict = field(default_factory=dict)
 
 
 def arms(suite: str | None = None) -> tuple[Arm, ...]:
@@ -144,7 +158,11 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
         Arm("nft", FLOWGRPO_RECIPE, NFT,
             "forward-process (NFT) loss, scalar reward, ODE samples (cast_core.nft_update)"),
         Arm("nft-cast", CAST_RECIPE, {**NFT, "window.start": w.start},
-            "forward-process (NFT) loss with CAST's atom-pixel map as optimality, ODE samples"))
+            "forward-process (NFT) loss with CAST's atom-pixel map as optimality, ODE samples"),
+        Arm("nft-b01", FLOWGRPO_RECIPE, NFT, "nft at beta 0.1, constant lr 3e-3 (the step "
+            "that overfits one prompt, reports/nft-one-prompt)", fixed=NFT_STEP),
+        Arm("nft-cast-b01", CAST_RECIPE, {**NFT, "window.start": w.start},
+            "nft-cast at beta 0.1, constant lr 3e-3 (nft-b01's step)", fixed=NFT_STEP))
     by_suite = {"main": main, "ablations": (*main, *ablations), "recast": (*main, *recast),
                 "nft": (*main, *nft)}
     return by_suite[suite] if suite is not None else (*main, *ablations, *recast, *nft)
@@ -169,11 +187,12 @@ def select_arms(suite: str, only: list[str] | None) -> tuple[Arm, ...]:
 
 def check_equal_budget(recipes: list) -> None:
     """Raise unless the recipes share seed, prompts, sampler, models, window size and the train
-    settings other than the clip range, and the arms of one objective their step size (`STEP`)."""
+    settings other than the clip range, and the arms of one objective (and, for NFT, one beta)
+    their step size (`STEP`)."""
     def budget(r) -> dict:
         dump = r.model_dump(mode="json")
-        for field in SDE_SAMPLING:  # the forward-process arms sample with the ODE
-            dump["sampling"].pop(field)
+        for name in SDE_SAMPLING:  # the forward-process arms sample with the ODE
+            dump["sampling"].pop(name)
         return {"seed": r.run.seed, "window_size": r.window.size,
                 **{s: dump[s] for s in SAME_SECTIONS},
                 **{f"train.{f}": dump["train"].get(f) for f in SAME_TRAIN}}
@@ -184,13 +203,16 @@ def check_equal_budget(recipes: list) -> None:
     def step(r) -> dict:
         return {f"train.{f}": getattr(r.train, f) for f in STEP}
 
+    def objective(r) -> tuple:  # the arms that must share a step: one objective, one NFT beta
+        return r.train.objective, r.train.nft_beta if r.train.objective == "nft" else None
+
     first = budget(recipes[0])
     sde = [r for r in recipes if r.train.objective == "sde"]
     for r in recipes[1:]:
         diff = [k for k, v in budget(r).items() if v != first[k]]
         if r in sde and sde[0] is not r:
             diff += [k for k, v in exploration(r).items() if v != exploration(sde[0])[k]]
-        same_objective = next(q for q in recipes if q.train.objective == r.train.objective)
+        same_objective = next(q for q in recipes if objective(q) == objective(r))
         diff += [k for k, v in step(r).items() if v != step(same_objective)[k]]
         if diff:
             raise ValueError(f"arms {recipes[0].run.name} and {r.run.name} differ in {diff}: "

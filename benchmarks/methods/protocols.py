@@ -224,7 +224,8 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
     """The arm's training recipe at this size and seed, run `name`, on the pool with "cycle"
     (`lr`, when given, replaces the learning rate; `guidance` the CFG scale of the rollouts and
     of every evaluation; `pool` another training pool file; `kl_target` sets
-    `train.kl_target_nats`, None a constant lr even where the recipe targets a KL; `settings`
+    `train.kl_target_nats`, None a constant lr even where the recipe targets a KL; the arm's
+    `fixed` settings (its own step) then replace these; `settings`
     {dotted key: value} are set on every arm after its own overrides, as `--set` does)."""
     from tasks.stages.recipe import load_recipe
 
@@ -236,7 +237,7 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
         # None: a constant lr, whatever the recipe's; a forward-process arm has no likelihoods
         # to measure a KL with, so it trains at the constant lr (`arms.STEP`)
         "train.kl_target_nats": None if arm.overrides.get("train.objective") == "nft" else kl_target,
-        **(settings or {}), "run.name": name, "run.seed": seed, "prompts.train": pool,
+        **arm.fixed, **(settings or {}), "run.name": name, "run.seed": seed, "prompts.train": pool,
         "prompts.selection": "cycle"})
 
 

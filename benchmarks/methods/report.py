@@ -83,7 +83,8 @@ def _setup_lines(sm: Summary, res: Results, setup: dict) -> list[str]:
     size, prefix, r0 = setup["size"], setup["prefix"], setup["recipes"][sm.arms[0]]
     windows = {a: sorted({res.windows.get(run_name(prefix, a, x)) for x in sm.seeds} - {None})
                for a in sm.arms}
-    arm_rows = [[a.name, f"`{a.recipe}`", ", ".join(f"{k}={v}" for k, v in a.overrides.items())
+    arm_rows = [[a.name, f"`{a.recipe}`", ", ".join(f"{k}={v}" for k, v in
+                                                   {**a.overrides, **a.fixed}.items())
                  or "–", a.about, "; ".join(f"{m} [{s}, {e})" for m, s, e in windows[a.name]),
                  setup["recipes"][a.name].train.clip_range] for a in setup["arm_defs"]]
     passes = setup["passes"]

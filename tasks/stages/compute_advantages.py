@@ -3,7 +3,7 @@ pixel advantage map pooled onto the log-prob grid, and the Flow-GRPO scalar adva
 sample (`advantage_maps`, maps in one safetensors blob, row `blob_index`).
 
 The blob holds, row i = the sample's `blob_index` (N samples, h x w log-prob grid):
-- `maps` [N, h, w]: CAST's clamped pixel map (`cast_core.advantage.pixel_advantage_map`), pooled;
+- `maps` [N, h, w]: CAST's clamped pixel map (`cast_core.pixel_map.pixel_advantage_map`), pooled;
 - `scalar` [N]: Flow-GRPO's scalar advantage;
 - `atom` [N]: the no-map credit (`atom_mean_credit`: the clamped mean of the sample's gated atom
   advantages), which `advantage.kind = "atom"` trains on as a constant map;

@@ -13,7 +13,7 @@ PNG heatmap blob whose path every row carries.
 Training (`recast.weighting` in the recipe): `gains_for_training` runs this stage on the policy of
 every `recast.every`-th iteration, and `reward_step_weights` turns the result (restricted to the
 window) or the static budgets into the per-type, per-step weights the trainer applies to the
-type maps of `compute_advantages` (`cast_core.advantage.step_weighted_maps`).
+type maps of `compute_advantages` (`cast_core.pixel_map.step_weighted_maps`).
 
 Positives (`RecastConfig.positives`): "renderer" (shapes family: exact renders, above) or a folder
 of images from a stronger generator in GenEval's output layout, the one GenEval's generation

@@ -195,14 +195,14 @@ class AdvantageSection(Section):
     loss, so the only difference from "scalar" is the per-position ratio and its clip).
     `gate_by_parents`, `global_weight` and `clip` shape the atom kinds; `reward` and
     `scalar_mode` the scalar one; `std_floor` bounds every group std; `heatmap_norm` "mass"
-    (each heatmap rescaled to mean 1, the paper's) or "peak" (to peak 1; `cast_core.advantage`);
+    (each heatmap rescaled to mean 1, the paper's) or "peak" (to peak 1; `cast_core.pixel_map`);
     `atom_norm` "atom" (per-atom z-score, the paper's) or "pooled" (each atom's deviation over
     the prompt's pooled atom spread, so nearly decided atoms get nearly no credit and the mean
     over atoms is Flow-GRPO's advantage up to a per-prompt factor); `spatial_mix` in [0, 1]: the
     share of each atom's credit projected through its heatmap, the rest spread uniformly (1 =
     the paper's map, 0 = no projection); `heatmap_source` "own" (each sample's credit through
     its own heatmaps, the paper's) or "group_others" (through the mean of the other samples' of its
-    group, which do not depend on the sample's own actions; `cast_core.advantage`, issue 17);
+    group, which do not depend on the sample's own actions; `cast_core.pixel_map`, issue 17);
     `credit_norm` "none" (the paper's) or "group" (after gating, each sample's atom credits
     shifted and scaled so that its mean atom credit is the group z-score of those means, as
     Flow-GRPO's advantage is of the reward: gating otherwise leaves a group's credits summing to

@@ -13,7 +13,7 @@ iterations; `cast_core.lr_schedule.linear_warmup_lr`) applied to the iteration's
 how far that iteration moved the policy, so that each iteration moves about the target). With
 `recast.weighting` "static" or "recast" the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
 weighted by `tasks.stages.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
-stage) and clamped (`cast_core.advantage.step_weighted_maps`). It writes:
+stage) and clamped (`cast_core.pixel_map.step_weighted_maps`). It writes:
 - `train_steps`: one row per optimizer step with the samples it used, loss, clip fraction, ratio
   mean/std (also the ratio mean and clip fraction per window step), the ratio's k3, the KL to the
   rollout policy and (kl_beta > 0) to the reference in nats per sample and window step (summed
@@ -67,12 +67,12 @@ import pyarrow.compute as pc
 import torch
 from safetensors import safe_open
 
-from cast_core.advantage import step_weighted_maps
 from cast_core.csg.graph import ATOM_TYPES
 from cast_core.data_parallel import SOLO, Shard, same_on_all_ranks
 from cast_core.diagnostics import RewardAlarm, constant_reward_alarm, high_frequency_energy
 from cast_core.lr_schedule import kl_targeted_lr
 from cast_core.nft_update import NftConfig, NftStep
+from cast_core.pixel_map import step_weighted_maps
 from cast_core.policy import UpdateStep
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
