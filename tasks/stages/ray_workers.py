@@ -67,6 +67,7 @@ class PolicyWorker:
 
     def __init__(self) -> None:
         self.resident = ResidentPolicy()
+        self.samples_read: tuple[int, ...] = ()  # by its last training: its rank's samples
 
     def rollout_shard(self, root: str, recipe: Recipe, policy: PolicyState, window_row: dict,
                       picks: list[dict], iteration: int) -> BlobRef:
@@ -110,6 +111,7 @@ class PolicyWorker:
             self.resident.forget()
             raise
         self.resident.trained(trained.policy_hash)
+        self.samples_read = trained.samples_read
         return trained
 
     def loads(self) -> Loads:
