@@ -9,8 +9,9 @@ images) are written through the store as one content-addressed blob, and the sta
 back in shard order and writes the same blobs and rows as one process would (seeds derive from
 (run seed, iteration, prompt id, sample index), never from a position in a batch). The training
 runs on the first `ray.train_workers` policy actors, data-parallel when there are several: they
-join a torch.distributed group for the call (`tasks.stages.train_group`), each trains its part
-of every optimizer step, and rank 0 writes; each then holds the trained policy, so the next
+join a torch.distributed group for the call (`tasks.stages.train_group`), each reads its own
+samples' window steps from the store and trains its part of every optimizer step, and rank 0
+writes; each then holds the trained policy, so the next
 rollout on it reloads nothing. Scorer actors (`ScorerWorker`) hold the recipe's scorer; the samples to score are
 split between them, each with all its atoms, and each actor reads its images from the store. An
 evaluation (`tasks.stages.evaluate`) runs on the same actors: its images sampled by the policy

@@ -48,8 +48,9 @@ mean score per atom type, the zero-variance fraction, the alarm), trains the loa
 `iteration_stats`, `train_step_rows` and `checkpoint_row` are tested on plain inputs. The
 training and its writes (`train_and_write`) take the loaded policy, so the Ray executor runs them
 on resident policy actors (`tasks.stages.ray_workers`), data-parallel across `ray.train_workers`
-of them (`cast_core.data_parallel`: each rank trains its part of every step; the ranks check
-that they hold the same trained LoRA and rank 0 alone writes). The mean
+of them (`cast_core.data_parallel`: each rank reads the window steps of its own samples only and
+trains its part of every step, of either objective; the ranks check that they hold the same
+trained LoRA and rank 0 alone writes). The mean
 score per atom type and the rollout images' high-frequency energy are computed here, from the
 stored atom scores and images: no earlier stage's table has a column for them.
 """
