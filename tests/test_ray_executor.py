@@ -12,7 +12,7 @@ import torch
 from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.stages.ray_workers import executor, init_ray, shards
 from tasks.store.store import Store
-from tests.pipeline_helpers import ci_recipe, reference
+from tests.pipeline_helpers import ci_recipe, reference, table_rows
 
 ray = pytest.importorskip("ray")
 
@@ -245,3 +245,41 @@ def test_two_training_actors_take_the_single_process_nft_step(nft_data_parallel_
                                                   rel=1e-6)
     assert len(store.read_table("checkpoints")) == 1
     _read_own_shard(read, 16)
+
+
+RECAST = {"recast.weighting": "recast", "recast.prompts": 8, "recast.samples_per_prompt": 2}
+
+
+@pytest.mark.slow
+def test_recast_gains_run_on_the_actors(cluster, tmp_path_factory, monkeypatch):
+    """`recast.weighting = "recast"`: iterations 0 and 1 on the actors estimate ReCAST's gains on
+    the resident policy actor (the base model, then the trained policy it holds) with the images
+    scored on the scorer actors, and write the single process's gains rows; no actor reads the
+    backbone twice."""
+    from tests.pipeline_helpers import run_iteration as run_local
+
+    _, _, prompts, _ = reference(tmp_path_factory)
+    base = tmp_path_factory.mktemp("ray-recast")
+    local_store = Store(base / "local")
+    for k in (0, 1):
+        run_local(local_store, ci_recipe(prompts, **RECAST), k)
+    recipe = ci_recipe(prompts, **RAY, **RECAST)
+    store = Store(base / "ray")
+    stages = plain_stages()
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the flow's process loaded a backbone for recast_gains")
+
+    for name in ("load_base", "load_policy"):  # the actors are other processes
+        monkeypatch.setattr(f"tasks.stages.recast_gains.{name}", no_load)
+    with executor(recipe) as workers:
+        setup = run_setup(stages, store, recipe)
+        refs = [run_iteration(stages, store, recipe, setup, k, workers=workers) for k in (0, 1)]
+        loads = workers.loads()
+        workers.release()
+    assert all(not r["recast_gains"].skipped for r in refs)
+    run = recipe.run.name
+    for table in ("recast_gains", "checkpoints"):
+        assert (table_rows(store, table, run) == table_rows(local_store, table, run)), table
+    assert [n.backbone for n in loads["policy"]] == [1, 1]
+    assert loads["scorer"] == [1, 1]
