@@ -3,12 +3,18 @@ of a torch.distributed process group, every rank stepping on the whole step's gr
 
 Variant: plain synchronous data parallelism (DDP's arithmetic without its module wrapper; the
 LoRA's gradients are one small bucket, summed once per optimizer step, after the micro-batches).
-Every rank holds the same weights, optimizer state and inputs (all N samples, the same seeded
-shuffle), so it knows every step's m sample indices `idx`. Conventions:
+Every rank holds the same weights and optimizer state and knows every step's m sample indices
+`idx` (the same seeded shuffle of the N samples; the update's `step_indices`). Conventions:
 
 - Rank r of `world` takes the r-th of `world` contiguous parts of `idx` (sizes differ by at most
   one; a part may be empty) and backpropagates it in micro-batches, each weighted n / m (n its
   samples, m the whole step's) exactly as one process weights them.
+- A rank holds only the rows of the samples it backpropagates (`Shard.rows`: the union of its
+  parts over the update's steps), `held` in sorted sample order; `local_rows` maps a sample
+  index to its row there. With one inner epoch the ranks' rows partition the N samples; with E
+  epochs a rank holds the samples of its parts in any of them (up to about N (1 - (1 - 1/world)^E)).
+  What every sample's statistics need (the stored log-probs of a step, the replayed ones) comes
+  from the rank that holds it through `gather_rows`.
 - `all_reduce_grads` then *sums* the ranks' gradients: the sum is the gradient of the step's mean
   loss over all m samples whatever the parts' sizes. (Averaging over ranks, DDP's default, would
   weight a sample of a smaller part more.)
@@ -19,11 +25,12 @@ shuffle), so it knows every step's m sample indices `idx`. Conventions:
 
 Departure from one process: the same terms summed in another grouping (per rank, then across
 ranks), so the weights agree to float rounding, not bitwise, unless the micro-batches line up.
-`SOLO` (world 1) communicates nothing and is the single-process update exactly.
+`SOLO` (world 1) communicates nothing, holds every row, and is the single-process update exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +57,45 @@ class Shard:
         """This rank's contiguous part of a step's sample indices idx [m] -> [sizes(m)[rank]]."""
         return torch.tensor_split(idx, self.world)[self.rank]
 
+    def rows(self, steps: Sequence[Tensor]) -> Tensor:
+        """The samples this rank backpropagates over an update whose optimizer steps take the
+        sample indices `steps` (each [m]): the union of its parts, sorted [<= N]."""
+        mine = [self.part(idx).cpu() for idx in steps]
+        return torch.unique(torch.cat(mine)) if mine else torch.zeros(0, dtype=torch.long)
+
 
 SOLO = Shard(0, 1)
+
+
+def local_rows(held: Tensor | None, n: int) -> Tensor:
+    """[n]: each sample's row in tensors that hold the samples `held` (sorted indices; None: all
+    n, row i = sample i), -1 for a sample not held."""
+    if held is None:
+        return torch.arange(n)
+    local = torch.full((n,), -1, dtype=torch.long)
+    local[held.cpu()] = torch.arange(len(held))
+    return local
+
+
+def held_rows(local: Tensor, idx: Tensor) -> Tensor:
+    """The rows of samples `idx` (`local_rows`), refusing a sample this rank does not hold."""
+    rows = local[idx.cpu()]
+    if bool((rows < 0).any()):
+        raise ValueError(f"samples {idx[rows < 0].tolist()} are not among this rank's rows; "
+                         f"read the rows `Shard.rows` names for the update's steps")
+    return rows
+
+
+def sum_over_ranks(value: float, shard: Shard, device: torch.device) -> float:
+    """The sum of a float over the ranks, in float64 on `device` (NCCL's tensors are on the GPU);
+    `value` itself on one rank."""
+    if shard.world == 1:
+        return value
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total)
 
 
 def all_reduce_grads(params: list[Tensor], shard: Shard) -> None:

@@ -29,6 +29,13 @@ with the empty prompt when it is not 1), or with guidance_scale 1 the conditiona
 (DiffusionNFT's CFG-free training). Diagnostics per step: the loss, the share of positions (or
 samples) with r > 1/2, the mean per-sample loss in ``t_buckets`` equal bins of [t_min, t_max]
 (None where a bin is empty), the gradient norm.
+
+Data parallel (``shard``, ``cast_core.data_parallel``, as ``cast_core.policy``): every rank
+draws the same t and eps for all N samples and computes r from all N advantages, but holds x0
+only for its samples (``held``: ``Shard.rows`` of ``nft_step_indices``) and computes the old
+velocity only there; it backpropagates its contiguous part of each step's samples with the same
+n / m weights, the ranks' gradients and losses are summed, and the per-sample losses gathered in
+sample order for the t-bins, so every rank takes the single process's step (to float rounding).
 """
 
 from __future__ import annotations
@@ -42,6 +49,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cast_core.checks import require_count, require_positive
+from cast_core.data_parallel import (
+    SOLO,
+    Shard,
+    all_reduce_grads,
+    gather_rows,
+    held_rows,
+    local_rows,
+    sum_over_ranks,
+)
 from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
 from cast_core.rollout import step_seed
 from cast_core.sampling import encode_conditioning
@@ -95,7 +111,8 @@ class NftStep:
 
 @dataclass(frozen=True)
 class _Draw:
-    """One epoch's forward-process draws: t [N], x_t, target, v_old [N, C, h, w]."""
+    """One epoch's forward-process draws: t [N] of every sample; x_t, target, v_old [n, C, h, w]
+    of the n samples held (all N on one process), in `local_rows` order."""
 
     t: Tensor
     x_t: Tensor
@@ -137,21 +154,23 @@ def _pick(prompts: list[str], idx: Tensor) -> list[str]:
     return [prompts[i] for i in idx.tolist()]
 
 
-def _draws(backbone, x0: Tensor, prompts: list[str], config: NftConfig, scale: float,
-           seed: int) -> list[_Draw]:
-    """Every epoch's draws and the old policy's velocity there (no gradient)."""
-    n, device = x0.shape[0], x0.device
+def _draws(backbone, x0: Tensor, held: Tensor, prompts: list[str], config: NftConfig,
+           scale: float, seed: int) -> list[_Draw]:
+    """Every epoch's draws (for all N = len(prompts) samples, so none depends on which rank
+    draws) and the old policy's velocity at the samples `held` (the rows of x0; no gradient)."""
+    n, device = len(prompts), x0.device
     out = []
     for epoch in range(config.inner_epochs):
         gen = torch.Generator().manual_seed(step_seed(seed, epoch))
         t = config.t_min + (config.t_max - config.t_min) * torch.rand(n, generator=gen)
-        eps = torch.randn(tuple(x0.shape), generator=gen)
-        t, eps = t.to(device), eps.to(device, x0.dtype)
-        noised = forward_noised(x0, t, eps)
+        eps = torch.randn((n, *x0.shape[1:]), generator=gen)
+        t, eps = t.to(device), eps[held].to(device, x0.dtype)
+        noised = forward_noised(x0, t[held.to(device)], eps)
         with torch.no_grad():
-            v_old = torch.cat([
-                _velocity(backbone, noised.x_t[mb], t[mb], _pick(prompts, mb), scale).float()
-                for mb in torch.arange(n, device=device).split(config.micro_batch)])
+            v_old = torch.cat([noised.x_t[:0].float()] + [
+                _velocity(backbone, noised.x_t[rows.to(device)], t[held[rows].to(device)],
+                          _pick(prompts, held[rows]), scale).float()
+                for rows in torch.arange(len(held)).split(config.micro_batch) if len(rows)])
         out.append(_Draw(t, noised.x_t, noised.target.float(), v_old))
     return out
 
@@ -175,58 +194,83 @@ def nft_update(
     seed: int,
     lr_for_step: Callable[[int], float] | None = None,
     on_step: Callable[[NftStep], None] | None = None,
+    shard: Shard = SOLO,
+    held: Tensor | None = None,
 ) -> list[NftStep]:
     """inner_epochs x steps_per_epoch optimizer steps of the NFT loss (module docstring).
 
     prompts: N; x0: [N, C, h, w] clean latents of the sampling policy; advantages: [N] or a map
     [N, h, w] on the latent grid. lr_for_step(j) sets every group's lr before the step that
     follows j steps taken (skipped ones not counted). Returns one NftStep per optimizer step.
+    With a `shard` of a data-parallel group every rank passes the prompts and advantages of all
+    N samples and x0 of the samples `held` only (sorted; ``Shard.rows(nft_step_indices(...))``;
+    None: all N), and gets the same weights and records.
     """
-    n = x0.shape[0]
-    if len(prompts) != n:
-        raise ValueError(f"need one prompt per sample: got {len(prompts)} for {n} samples")
+    n = len(prompts)
+    if x0.shape[0] != (n if held is None else len(held)):
+        raise ValueError(f"need one prompt per sample: got {len(prompts)} for {x0.shape[0]} "
+                         f"samples" + ("" if held is None else f" holding {len(held)}"))
     if config.steps_per_epoch > n:
         raise ValueError(f"NftConfig.steps_per_epoch ({config.steps_per_epoch}) exceeds the {n} "
                          f"samples; set it <= {n}")
     if config.centre and n % config.group_size:
         raise ValueError(f"{n} samples do not split into groups of {config.group_size}; set "
                          "NftConfig.group_size to the rollout's G")
-    r = nft_optimality(advantages.to(x0.device), tuple(x0.shape), config,
+    r = nft_optimality(advantages.to(x0.device), (n, *x0.shape[1:]), config,
                        getattr(backbone, "token_grid", None))
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    draws = _draws(backbone, x0, prompts, config, guidance_scale, seed)
+    local = local_rows(held, n)
+    draws = _draws(backbone, x0, torch.arange(n) if held is None else held.cpu(), prompts,
+                   config, guidance_scale, seed)
     out, taken = [], 0
-    for epoch, draw in enumerate(draws):
-        gen = torch.Generator().manual_seed(step_seed(seed, 10_000 + epoch))
-        order = torch.randperm(n, generator=gen).to(x0.device)
-        for idx in torch.tensor_split(order, config.steps_per_epoch):
-            lr = lr_for_step(taken) if lr_for_step is not None else optimizer.param_groups[0]["lr"]
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            step = _step(backbone, optimizer, params, draw, r, idx, prompts, config,
-                         guidance_scale, epoch, lr)
-            taken += 0 if step.skipped else 1
-            out.append(step)
-            if on_step is not None:
-                on_step(step)
+    for j, idx in enumerate(nft_step_indices(n, config, seed)):
+        epoch, idx = j // config.steps_per_epoch, idx.to(x0.device)
+        lr = lr_for_step(taken) if lr_for_step is not None else optimizer.param_groups[0]["lr"]
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step = _step(backbone, optimizer, params, draws[epoch], r, idx, prompts, config,
+                     guidance_scale, epoch, lr, shard, local)
+        taken += 0 if step.skipped else 1
+        out.append(step)
+        if on_step is not None:
+            on_step(step)
     return out
 
 
+def nft_step_indices(n: int, config: NftConfig, seed: int) -> list[Tensor]:
+    """Every optimizer step's sample indices, in the order `nft_update` takes them: inner epoch
+    e's step s is entry e * steps_per_epoch + s, the s-th of steps_per_epoch near-equal parts of
+    the epoch's seeded permutation of the n samples."""
+    steps: list[Tensor] = []
+    for epoch in range(config.inner_epochs):
+        gen = torch.Generator().manual_seed(step_seed(seed, 10_000 + epoch))
+        steps.extend(torch.tensor_split(torch.randperm(n, generator=gen), config.steps_per_epoch))
+    return steps
+
+
 def _step(backbone, optimizer, params, draw: _Draw, r: Tensor, idx: Tensor, prompts: list[str],
-          config: NftConfig, scale: float, epoch: int, lr: float) -> NftStep:
-    """One optimizer step on the samples `idx`, accumulated over micro-batches."""
+          config: NftConfig, scale: float, epoch: int, lr: float, shard: Shard,
+          local: Tensor) -> NftStep:
+    """One optimizer step on the samples `idx`, accumulated over micro-batches (of this rank's
+    part of it, gradients and losses summed over the ranks); local: `local_rows` of the draw."""
     optimizer.zero_grad(set_to_none=True)
-    total, per_sample = 0.0, []
-    for mb in idx.split(config.micro_batch):
-        v_theta = _velocity(backbone, draw.x_t[mb], draw.t[mb], _pick(prompts, mb),
+    total, per_sample = 0.0, [draw.v_old.new_zeros(0)]
+    for mb in shard.part(idx).split(config.micro_batch):
+        if not len(mb):  # an empty part splits into one empty micro-batch
+            continue
+        rows = held_rows(local, mb).to(draw.x_t.device)
+        v_theta = _velocity(backbone, draw.x_t[rows], draw.t[mb], _pick(prompts, mb),
                             scale).float()
-        v_old, target = draw.v_old[mb], draw.target[mb]
+        v_old, target = draw.v_old[rows], draw.target[rows]
         weight = adaptive_weight(v_old, target) if config.adaptive_weight else None
         result = nft_loss(v_theta, v_old, target, r[mb], config.beta, weight)
         (result.loss * (len(mb) / len(idx))).backward()
         total += float(result.loss.detach()) * len(mb) / len(idx)
         w = torch.ones_like(result.per_sample) if weight is None else weight
         per_sample.append(w * result.per_sample)
+    all_reduce_grads(params, shard)
+    total = sum_over_ranks(total, shard, draw.x_t.device)
+    losses = gather_rows(torch.cat(per_sample).detach(), shard.sizes(len(idx)))  # idx order
     share = float((r[idx] > 0.5).float().mean())
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
     bad = None if math.isfinite(total) else "non-finite loss"
@@ -236,6 +280,5 @@ def _step(backbone, optimizer, params, draw: _Draw, r: Tensor, idx: Tensor, prom
         return NftStep(epoch, len(idx), None, None, share, (None,) * config.t_buckets, lr, True,
                        bad)
     optimizer.step()
-    losses = torch.cat(per_sample).detach()
     by_t = _bucket_means(draw.t[idx].float().cpu(), losses.cpu(), config)
     return NftStep(epoch, len(idx), total, grad_norm, share, by_t, lr, False, None)

@@ -25,8 +25,10 @@ optimizer step from the number of steps this call has taken (skipped ones not co
 adds its earlier steps, e.g. for a warm-up: ``lr_schedule.linear_warmup_lr``).
 Data parallel (``shard``, ``cast_core.data_parallel``): each rank runs the micro-batches of its
 contiguous part of every mini-batch with the same n / m weights, the ranks' gradients are summed
-before the clip, and the replayed log-probs gathered before the statistics, so every rank takes
-the single process's step (to float rounding) on the mean over all m samples.
+before the clip, and the stored and replayed log-probs of the parts gathered before the
+statistics, so every rank takes the single process's step (to float rounding) on the mean over
+all m samples. A rank's rollout need hold only the rows of its parts (``held``: ``Shard.rows`` of
+``step_indices``).
 
 Guards: a step whose loss (so any of its micro-batches' losses) or accumulated grad norm is not
 finite gets its grads zeroed and no optimizer step; its ``UpdateStep`` says skipped=True and why.
@@ -67,7 +69,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cast_core.data_parallel import SOLO, Shard, all_reduce_grads, gather_rows
+from cast_core.data_parallel import (
+    SOLO,
+    Shard,
+    all_reduce_grads,
+    gather_rows,
+    held_rows,
+    local_rows,
+)
 from cast_core.lora import reference_mode
 from cast_core.loss import (
     PolicyLoss,
@@ -82,10 +91,11 @@ from cast_core.rollout import Rollout, RolloutSpec, replay_steps
 from cast_core.sampling import encode_conditioning
 from cast_core.sde import block_mean
 
-__all__ = ["AdvantageKind", "PolicyConfig", "UpdateStep", "policy_update", "update_kl_nats"]
+__all__ = ["AdvantageKind", "PolicyConfig", "UpdateStep", "policy_update", "step_indices",
+           "update_kl_nats"]
 
-def _check_advantages(advantages: Tensor, rollout: Rollout, kind: AdvantageKind) -> None:
-    n, k, h, w = rollout.log_probs.shape
+def _check_advantages(advantages: Tensor, n: int, rollout: Rollout, kind: AdvantageKind) -> None:
+    _, k, h, w = rollout.log_probs.shape
     wants = [(n, h, w), (n, k, h, w)] if kind == "spatial" else [(n,)]
     if tuple(advantages.shape) not in wants:
         hint = (
@@ -152,7 +162,7 @@ def _micro_batch_backward(
 def _gathered(parts: list[_Replayed], old: Tensor, sizes: list[int], config: PolicyConfig
               ) -> _Replayed:
     """Every rank's replays of a step in sample order, from this rank's micro-batches' `parts`
-    (none when its part is empty; old [m, K, h, w] gives the empty shapes)."""
+    (none when its part is empty; old [n, K, h, w], its part's, gives the empty shapes)."""
     mine = [p.log_probs for p in parts] or [old[:0]]
     log_probs = gather_rows(torch.cat(mine), sizes)  # [m, K, h, w]
     if config.kl_beta == 0:
@@ -209,31 +219,37 @@ def _optimizer_step(
     step: int,
     first: bool,
     shard: Shard,
+    local: Tensor,
 ) -> UpdateStep:
     """Accumulate the gradients of mini-batch `idx` over micro-batches (of this rank's part of
     it, summed over the ranks), clip, and step unless the loss or grad norm is not finite;
-    `first`: check the ratio of the update's first step."""
+    `first`: check the ratio of the update's first step; local: each sample's row in `rollout`
+    (``data_parallel.local_rows``)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     optimizer.zero_grad(set_to_none=True)
+    part = shard.part(idx)
     parts = [
         _micro_batch_backward(
             backbone,
             [prompts[i] for i in mb.tolist()],
-            rollout.select(mb),
+            rollout.select(held_rows(local, mb)),
             advantages[mb.to(advantages.device)],
             spec,
             config,
             share=len(mb) / len(idx),
         )
-        for mb in shard.part(idx).split(config.micro_batch)
+        for mb in part.split(config.micro_batch)
         if len(mb)  # an empty part splits into one empty micro-batch
     ]
     all_reduce_grads(params, shard)
     with torch.no_grad():
-        old = rollout.log_probs[idx.to(rollout.log_probs.device)]  # [m, K, h, w]
         adv = advantages[idx.to(advantages.device)]
-        if shard.world > 1:
-            parts = [_gathered(parts, old, shard.sizes(len(idx)), config)]
+        if shard.world > 1:  # the step's stored log-probs from the ranks that hold them
+            mine = rollout.log_probs[held_rows(local, part).to(rollout.log_probs.device)]
+            old = gather_rows(mine, shard.sizes(len(idx)))
+            parts = [_gathered(parts, mine, shard.sizes(len(idx)), config)]
+        else:
+            old = rollout.log_probs[held_rows(local, idx).to(rollout.log_probs.device)]
         loss, fields = _record(parts, old, adv, rollout.latents.shape[2], config)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
     reason = None
@@ -272,6 +288,7 @@ def policy_update(
     on_step: Callable[[UpdateStep], None] | None = None,
     lr_for_step: Callable[[int], float] | None = None,
     shard: Shard = SOLO,
+    held: Tensor | None = None,
 ) -> list[UpdateStep]:
     """Inner epochs x steps_per_epoch optimizer steps of the clipped objective on the rollout's
     window steps, each accumulated over micro-batches.
@@ -282,46 +299,64 @@ def policy_update(
     that follows j steps taken by this call (skipped steps not counted). Returns one UpdateStep
     per optimizer step, in order; `on_step` (e.g. a progress bar) is called with each one.
     With a `shard` of a data-parallel group (``cast_core.data_parallel``) every rank passes the
-    same inputs, backpropagates its part of each step and gets the same weights and records.
+    same prompts and advantages of all N samples, backpropagates its part of each step and gets
+    the same weights and records; its rollout may hold only the rows of the samples `held`
+    (sorted; ``Shard.rows(step_indices(...))``; None: all N).
     """
-    n = rollout.latents.shape[0]
-    if len(prompts) != n:
-        raise ValueError(f"need one prompt per rollout sample: got {len(prompts)} for {n} samples")
+    n = len(prompts)
+    rows = rollout.latents.shape[0]
+    if rows != (n if held is None else len(held)):
+        raise ValueError(f"need one prompt per rollout sample: got {len(prompts)} prompts for "
+                         f"{rows} rollout rows" + ("" if held is None else
+                                                   f" holding {len(held)} samples"))
     if config.steps_per_epoch > n:
         raise ValueError(
             f"PolicyConfig.steps_per_epoch ({config.steps_per_epoch}) exceeds the {n} samples: "
             f"each optimizer step needs at least one sample; set steps_per_epoch <= {n}"
         )
-    _check_advantages(advantages, rollout, config.advantage)
+    _check_advantages(advantages, n, rollout, config.advantage)
     advantages = advantages.to(rollout.log_probs.device, torch.float32)
-    generator = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+    local = local_rows(held, n)
     records: list[UpdateStep] = []
     taken = 0
-    for epoch in range(config.inner_epochs):
-        order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-        for step, idx in enumerate(torch.tensor_split(order, config.steps_per_epoch)):
-            if lr_for_step is not None:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_for_step(taken)
-            record = _optimizer_step(
-                backbone,
-                optimizer,
-                prompts,
-                rollout,
-                spec,
-                advantages,
-                idx,
-                config,
-                epoch,
-                step,
-                first=not records,
-                shard=shard,
-            )
-            records.append(record)
-            taken += not record.skipped
-            if on_step is not None:
-                on_step(record)
+    for j, idx in enumerate(step_indices(n, config, shuffle_seed)):
+        epoch, step = divmod(j, config.steps_per_epoch)
+        if lr_for_step is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_for_step(taken)
+        record = _optimizer_step(
+            backbone,
+            optimizer,
+            prompts,
+            rollout,
+            spec,
+            advantages,
+            idx,
+            config,
+            epoch,
+            step,
+            first=not records,
+            shard=shard,
+            local=local,
+        )
+        records.append(record)
+        taken += not record.skipped
+        if on_step is not None:
+            on_step(record)
     return records
+
+
+def step_indices(n: int, config: PolicyConfig, shuffle_seed: int | None) -> list[Tensor]:
+    """Every optimizer step's sample indices, in the order `policy_update` takes them: inner
+    epoch e's step s is entry e * steps_per_epoch + s, the s-th of steps_per_epoch near-equal
+    parts of the epoch's order (a seeded permutation of the n samples, or 0..n-1 without a
+    seed)."""
+    generator = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+    steps: list[Tensor] = []
+    for _ in range(config.inner_epochs):
+        order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+        steps.extend(torch.tensor_split(order, config.steps_per_epoch))
+    return steps
 
 
 @torch.no_grad()
@@ -332,21 +367,43 @@ def update_kl_nats(
     spec: RolloutSpec,
     max_samples: int = 64,
     micro_batch: int = 16,
+    *,
+    shard: Shard = SOLO,
+    held: Tensor | None = None,
+    split: list[Tensor] | None = None,
 ) -> float:
     """KL(rollout policy || current policy) in nats per sample and window step, summed over the
     C h w dims (k3 of the summed log-ratio, ``loss.summed_kl``), on the first ``max_samples``
-    samples (prompts: one per rollout sample; the stored log-probs are the rollout policy's).
+    samples (prompts: one per sample; the stored log-probs are the rollout policy's).
     Called after an iteration's training it says how far the iteration moved the policy, which
-    the per-step ``policy_kl_nats`` cannot show for the last (or only) optimizer step."""
-    n = min(max_samples, rollout.latents.shape[0])
+    the per-step ``policy_kl_nats`` cannot show for the last (or only) optimizer step.
+    Data parallel (a `shard` of a group): `split` gives every rank's samples (a partition of the
+    N, e.g. their parts of the first inner epoch), `held` the samples whose rows `rollout` holds
+    (sorted, containing this rank's split); each rank replays its split's samples among the
+    first max_samples and the log-probs are gathered in sample order, so every rank returns the
+    single process's figure (to the float rounding of other micro-batches)."""
+    total = len(prompts)
+    n = min(max_samples, total)
     if n < 1 or micro_batch < 1:
         raise ValueError(f"need max_samples >= 1 and micro_batch >= 1: got {max_samples}, "
                          f"{micro_batch}")
+    if shard.world > 1 and split is None:
+        raise ValueError("a data-parallel update_kl_nats needs every rank's `split`")
+    parts = [torch.arange(n)] if shard.world == 1 else [s[s < n] for s in split]
+    mine = parts[shard.rank if shard.world > 1 else 0]
+    rows = held_rows(local_rows(held, total), mine)
     channels = rollout.latents.shape[2]
-    new = []
-    for lo in range(0, n, micro_batch):
-        idx = list(range(lo, min(n, lo + micro_batch)))
+    new = [rollout.log_probs[:0]]
+    for lo in range(0, len(mine), micro_batch):
+        idx = mine[lo:lo + micro_batch].tolist()
         cond, uncond = encode_conditioning(backbone, [prompts[i] for i in idx],
                                            spec.guidance_scale)
-        new.append(replay_steps(backbone, cond, uncond, rollout.select(idx), spec).log_probs)
-    return float(summed_kl(torch.cat(new), rollout.log_probs[:n], channels).k3)
+        new.append(replay_steps(backbone, cond, uncond,
+                                rollout.select(rows[lo:lo + micro_batch].tolist()),
+                                spec).log_probs)
+    new_lp, old_lp = torch.cat(new), rollout.log_probs[rows.to(rollout.log_probs.device)]
+    if shard.world > 1:
+        sizes = [len(p) for p in parts]
+        order = torch.argsort(torch.cat(parts)).to(new_lp.device)  # rank order -> sample order
+        new_lp, old_lp = gather_rows(new_lp, sizes)[order], gather_rows(old_lp, sizes)[order]
+    return float(summed_kl(new_lp, old_lp, channels).k3)

@@ -4,8 +4,9 @@ Deployed as `cast/train-iteration` (prefect.yaml). Every stage is a cached, resu
 (tasks/store/stage.py); re-running after a crash finishes the iteration and skips finished stages.
 With `recast.weighting = "recast"` the ReCAST gains of the policy (re-estimated every
 `recast.every` iterations) run before training, which weights each atom type's share of the map
-per step. With `run.executor = "ray"` the rollout, scoring and training run on the run's resident
-Ray actors (`tasks.stages.ray_workers`); the other stages, and the wiring, stay here.
+per step. With `run.executor = "ray"` the rollout, scoring, ReCAST gains and training run on the
+run's resident Ray actors (`tasks.stages.ray_workers`); the other stages, and the wiring, stay
+here.
 
     .venv/bin/python -m flows.cast --recipe data/recipes/shapes-cast.toml
 

@@ -1,16 +1,19 @@
-"""Data-parallel policy updates: two gloo ranks, each backpropagating its part of every optimizer
-step, end on the LoRA and AdamW state of the single-process update over all the step's samples
-(to 1e-6), for the spatial (CAST) and the scalar (Flow-GRPO) objective, with parts of unequal
-size and an empty one; the shard arithmetic itself is checked on plain inputs."""
+"""Data-parallel policy updates: two gloo ranks, each holding only the rows of its own samples
+and backpropagating its part of every optimizer step, end on the LoRA and AdamW state of the
+single-process update over all the step's samples (to 1e-6), for the spatial (CAST) and the
+scalar (Flow-GRPO) SDE objective and for the forward-process (NFT) objective with scalar and map
+advantages, with parts of unequal size and an empty one, and agree on the update's KL; the
+shard arithmetic itself is checked on plain inputs."""
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
-from cast_core.data_parallel import SOLO, Shard
+from cast_core.data_parallel import SOLO, Shard, local_rows
 from cast_core.lora import add_lora
-from cast_core.policy import PolicyConfig, policy_update
+from cast_core.nft_update import NftConfig, nft_step_indices, nft_update
+from cast_core.policy import PolicyConfig, policy_update, step_indices, update_kl_nats
 from cast_core.rollout import RolloutSpec, rollout
 from cast_core.window import SdeWindow
 
@@ -21,6 +24,10 @@ SPEC = RolloutSpec(num_steps=4, guidance_scale=1.5, noise_level=0.7, sde_kind="f
 # (objective, steps_per_epoch, kl_beta): 5 samples in 1 step (parts 3 + 2), in 2 steps of 3 and
 # 2 (parts 2 + 1 and 1 + 1) with the KL to the reference, in 5 steps of 1 (rank 1's part empty)
 CASES = [("scalar", 1, 0.0), ("spatial", 2, 0.1), ("spatial", 5, 0.0)]
+# NFT (advantage, steps_per_epoch, inner_epochs): 6 samples (3 groups of 2) in one step (parts
+# 3 + 3), a map in 2 steps of 3 (parts 2 + 1), two epochs of 6 steps of 1 (rank 1's parts empty)
+NFT_PROMPTS = PROMPTS + ["a photo of a green triangle"]
+NFT_CASES = [("scalar", 1, 1), ("map", 2, 1), ("scalar", 6, 2)]
 
 
 def test_parts_are_contiguous_and_cover_the_step():
@@ -32,6 +39,10 @@ def test_parts_are_contiguous_and_cover_the_step():
     assert torch.equal(SOLO.part(idx), idx)
     with pytest.raises(ValueError, match="rank < world"):
         Shard(2, 2)
+    steps = [torch.tensor([4, 0, 3]), torch.tensor([1, 2])]  # one epoch: the rows partition
+    assert [Shard(r, 2).rows(steps).tolist() for r in range(2)] == [[0, 1, 4], [2, 3]]
+    assert local_rows(torch.tensor([1, 3]), 5).tolist() == [-1, 0, -1, 1, -1]
+    assert torch.equal(local_rows(None, 3), torch.arange(3))
 
 
 def _train(objective: str, steps: int, kl_beta: float, shard: Shard) -> dict:
@@ -49,12 +60,48 @@ def _train(objective: str, steps: int, kl_beta: float, shard: Shard) -> dict:
     optimizer = torch.optim.AdamW(lora, lr=1e-2, weight_decay=0.01)
     config = PolicyConfig(advantage=objective, clip_range=0.2, kl_beta=kl_beta,
                           steps_per_epoch=steps, micro_batch=2)
+    held, split = None, None
+    if shard.world > 1:  # the rank holds the rows of its own samples only
+        plan = step_indices(len(PROMPTS), config, 5)
+        held = shard.rows(plan)
+        split = [Shard(r, shard.world).rows(plan[:steps]) for r in range(shard.world)]
+        out = out.select(held)
     records = policy_update(model, optimizer, PROMPTS, out, SPEC, adv, config, shuffle_seed=5,
-                            shard=shard)
+                            shard=shard, held=held)
+    moved = update_kl_nats(model, PROMPTS, out, SPEC, micro_batch=2, shard=shard, held=held,
+                           split=split)
+    return {**_state(lora, optimizer), "records": records, "moved": moved,
+            "rows": out.latents.shape[0]}
+
+
+def _state(lora: list, optimizer) -> dict:
     state = optimizer.state_dict()["state"]
     return {"lora": [p.detach().clone() for p in lora],
-            "adam": [(s["exp_avg"], s["exp_avg_sq"], float(s["step"])) for s in state.values()],
-            "records": records}
+            "adam": [(s["exp_avg"], s["exp_avg_sq"], float(s["step"])) for s in state.values()]}
+
+
+def _train_nft(advantage: str, steps: int, epochs: int, shard: Shard) -> dict:
+    """The LoRA, AdamW state and step records after one NFT update of the tiny policy."""
+    torch.manual_seed(0)
+    model = ShapesBackbone(TINY).eval()
+    lora = add_lora(model, rank=2, alpha=2.0)
+    with torch.no_grad():
+        for p in lora:
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    x0 = rollout(model, NFT_PROMPTS, [3, 4, 5, 6, 7, 8], SPEC).x0
+    gen = torch.Generator().manual_seed(1)
+    adv = (torch.randn(6, generator=gen) if advantage == "scalar"
+           else torch.randn(6, *x0.shape[-2:], generator=gen))
+    optimizer = torch.optim.AdamW(lora, lr=1e-2, weight_decay=0.01)
+    config = NftConfig(group_size=2, inner_epochs=epochs, steps_per_epoch=steps, micro_batch=2,
+                       beta=0.5)
+    held = None
+    if shard.world > 1:
+        held = shard.rows(nft_step_indices(6, config, 9))
+        x0 = x0[held]
+    records = nft_update(model, optimizer, NFT_PROMPTS, x0, adv, config, 1.5, seed=9,
+                         shard=shard, held=held)
+    return {**_state(lora, optimizer), "records": records, "rows": x0.shape[0]}
 
 
 def _rank(rank: int, init: str, results: str) -> None:
@@ -63,7 +110,8 @@ def _rank(rank: int, init: str, results: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        got = [_train(*case, Shard(rank, 2)) for case in CASES]
+        got = ([_train(*case, Shard(rank, 2)) for case in CASES]
+               + [_train_nft(*case, Shard(rank, 2)) for case in NFT_CASES])
     finally:
         dist.destroy_process_group()
     torch.save(got, f"{results}.{rank}")
@@ -78,17 +126,25 @@ def two_ranks(tmp_path_factory):
     return list(zip(*got))
 
 
+def _same_state(got: dict, want: dict, steps: int) -> None:
+    for a, b in zip(got["lora"], want["lora"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert len(got["adam"]) == len(want["adam"])
+    for (m, v, n), (m0, v0, n0) in zip(got["adam"], want["adam"]):
+        torch.testing.assert_close(m, m0, rtol=0, atol=1e-6)
+        torch.testing.assert_close(v, v0, rtol=0, atol=1e-9)
+        assert n == n0 == steps
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_two_ranks_take_the_single_process_steps(two_ranks, case):
     want = _train(*CASES[case], SOLO)
+    # one inner epoch: the ranks hold disjoint rows of the 5 samples, those of their parts
+    assert [got["rows"] for got in two_ranks[case]] == [[3, 2], [3, 2], [5, 0]][case]
+    assert want["rows"] == 5
     for got in two_ranks[case]:
-        for a, b in zip(got["lora"], want["lora"]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        assert len(got["adam"]) == len(want["adam"])
-        for (m, v, n), (m0, v0, n0) in zip(got["adam"], want["adam"]):
-            torch.testing.assert_close(m, m0, rtol=0, atol=1e-6)
-            torch.testing.assert_close(v, v0, rtol=0, atol=1e-9)
-            assert n == n0 == CASES[case][1]
+        _same_state(got, want, CASES[case][1])
+        assert got["moved"] == pytest.approx(want["moved"], rel=1e-5, abs=1e-7)
         for r, r0 in zip(got["records"], want["records"], strict=True):
             assert r.samples == r0.samples and r.skipped == r0.skipped
             for field in ("loss", "grad_norm", "ratio_mean", "clip_fraction", "policy_kl_nats"):
@@ -96,4 +152,26 @@ def test_two_ranks_take_the_single_process_steps(two_ranks, case):
                                                           abs=1e-7), field
             assert (r.ref_kl_nats is None) == (r0.ref_kl_nats is None)
     ranks = two_ranks[case]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["lora"], ranks[1]["lora"]))
+
+
+@pytest.mark.parametrize("case", range(len(NFT_CASES)))
+def test_two_ranks_take_the_single_process_nft_steps(two_ranks, case):
+    advantage, steps, epochs = NFT_CASES[case]
+    want = _train_nft(advantage, steps, epochs, SOLO)
+    ranks = two_ranks[len(CASES) + case]
+    rows = [got["rows"] for got in ranks]
+    assert sum(rows) == 6 if epochs == 1 else rows == [6, 0]  # parts of 1: rank 1's all empty
+    for got in ranks:
+        _same_state(got, want, steps * epochs)
+        for r, r0 in zip(got["records"], want["records"], strict=True):
+            assert (r.epoch, r.samples, r.skipped) == (r0.epoch, r0.samples, r0.skipped)
+            assert r.positive_share == r0.positive_share
+            for field in ("loss", "grad_norm"):
+                assert getattr(r, field) == pytest.approx(getattr(r0, field), rel=1e-5,
+                                                          abs=1e-7), field
+            assert [b is None for b in r.loss_by_t] == [b is None for b in r0.loss_by_t]
+            assert ([b for b in r.loss_by_t if b is not None]
+                    == pytest.approx([b for b in r0.loss_by_t if b is not None], rel=1e-5,
+                                     abs=1e-7))
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["lora"], ranks[1]["lora"]))

@@ -1,6 +1,8 @@
 """The Ray executor on a local cluster of two CPUs: sharded rollouts and scores give the same
-rows and blobs as one process, the training the same LoRA, and the resident actors load the
-backbone once across stages and iterations, swapping only the LoRA when the policy changes.
+rows and blobs as one process, the training the same LoRA (data-parallel over two actors, each
+reading only its own samples' window steps, for the SDE and the NFT objective), and the resident
+actors load the backbone once across stages and iterations, swapping only the LoRA when the
+policy changes.
 
 Slow: starting the cluster and its actors' processes costs tens of seconds on two cores."""
 
@@ -10,7 +12,7 @@ import torch
 from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.stages.ray_workers import executor, init_ray, shards
 from tasks.store.store import Store
-from tests.pipeline_helpers import ci_recipe, reference
+from tests.pipeline_helpers import ci_recipe, reference, table_rows
 
 ray = pytest.importorskip("ray")
 
@@ -135,26 +137,53 @@ def test_a_killed_actors_shard_is_redone(ray_run, tmp_path_factory):
 ONE_STEP = {"train.steps_per_epoch": 1}
 
 
-@pytest.fixture(scope="module")
-def data_parallel_run(cluster, tmp_path_factory):
-    """Iteration 0 of the CI run in one optimizer step, on one process and with two training
-    actors -> (local store and refs, Ray store and refs, each policy actor's held policy hash)."""
+def _data_parallel(tmp_path_factory, **extra) -> tuple:
+    """Iteration 0 of the CI run (with `extra`) in one optimizer step, on one process and with
+    two training actors -> (local store and refs, Ray store and refs, each policy actor's held
+    policy hash, the samples each read the window steps of, the Ray run's recipe and setup)."""
     from tests.pipeline_helpers import run_iteration as run_local
 
     _, _, prompts, _ = reference(tmp_path_factory)
     base = tmp_path_factory.mktemp("ray-ddp")
     local_store = Store(base / "local")
-    local = run_local(local_store, ci_recipe(prompts, **ONE_STEP), 0)
-    recipe = ci_recipe(prompts, **RAY, **ONE_STEP, **{"ray.train_workers": 2})
+    local = run_local(local_store, ci_recipe(prompts, **ONE_STEP, **extra), 0)
+    recipe = ci_recipe(prompts, **RAY, **ONE_STEP, **extra, **{"ray.train_workers": 2})
     store = Store(base / "ray")
     stages = plain_stages()
     with executor(recipe) as workers:
-        refs = run_iteration(stages, store, recipe, run_setup(stages, store, recipe), 0,
-                             workers=workers)
+        setup = run_setup(stages, store, recipe)
+        refs = run_iteration(stages, store, recipe, setup, 0, workers=workers)
         held = ray.get([a.__ray_call__.remote(lambda self: self.resident.policy_hash)
                         for a in workers.policy])
+        read = ray.get([a.__ray_call__.remote(lambda self: self.samples_read)
+                        for a in workers.policy])
         workers.release()
-    return local_store, local, store, refs, held
+    return local_store, local, store, {**setup, **refs}, held, read, recipe
+
+
+def _solo_update_kl(store: Store, recipe, refs: dict) -> float:
+    """`update_kl_nats` of the policy the ranks trained, on the stored rollout, computed by one
+    process: what the ranks computed together, each replaying its own samples."""
+    from cast_core.policy import update_kl_nats
+    from tasks.stages.policy_state import load_policy_of, policy_for
+    from tasks.stages.score_atoms import load_rollout_rows
+    from tasks.stages.train_epoch import read_batch
+
+    backbone, _ = load_policy_of(store, recipe, policy_for(store, recipe, 1))
+    batch = read_batch(store, recipe, load_rollout_rows(store, refs["rollout"]),
+                       refs["build_csgs"], refs["compute_advantages"], None, torch.device("cpu"))
+    return update_kl_nats(backbone, batch.prompts, batch.rollout, batch.spec,
+                          micro_batch=recipe.train.micro_batch)
+
+
+@pytest.fixture(scope="module")
+def data_parallel_run(cluster, tmp_path_factory):
+    return _data_parallel(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def nft_data_parallel_run(cluster, tmp_path_factory):
+    return _data_parallel(tmp_path_factory, **{"train.objective": "nft"})
 
 
 def _close(got: dict, want: dict) -> None:
@@ -168,7 +197,7 @@ def test_two_training_actors_take_the_single_process_step(data_parallel_run):
     """gloo data parallelism over two actors: the LoRA and AdamW state of the single-process
     step over all samples (to 1e-6), the same step row, one writer, and both actors holding the
     trained policy."""
-    local_store, local, store, refs, held = data_parallel_run
+    local_store, local, store, refs, held, read, recipe = data_parallel_run
     got = _rows(store, refs["train_epoch"], "checkpoints")[0]
     want = _rows(local_store, local["train_epoch"], "checkpoints")[0]
     for path in ("lora_path", "optimizer_path"):
@@ -180,4 +209,77 @@ def test_two_training_actors_take_the_single_process_step(data_parallel_run):
     for row, row0 in zip(*steps, strict=True):
         for field in ("loss", "grad_norm", "ratio_mean", "clip_fraction", "policy_kl_nats"):
             assert row[field] == pytest.approx(row0[field], rel=1e-5, abs=1e-7), field
+    assert got["update_kl_nats"] == pytest.approx(_solo_update_kl(store, recipe, refs),
+                                                  rel=1e-6)
     assert len(store.read_table("checkpoints")) == 1
+    _read_own_shard(read, 16)
+
+
+def _read_own_shard(read: list[tuple[int, ...]], n: int) -> None:
+    """Each training rank read the window steps of its own samples only: the two ranks' reads
+    are disjoint halves of the n samples (one optimizer step: parts of n / 2)."""
+    assert [len(r) for r in read] == [n // 2, n // 2]
+    assert sorted(read[0] + read[1]) == list(range(n))
+
+
+@pytest.mark.slow
+def test_two_training_actors_take_the_single_process_nft_step(nft_data_parallel_run):
+    """The forward-process (NFT) objective over two gloo actors: the LoRA and AdamW state of
+    the single-process step over all samples (to 1e-6), the same step row, one writer, each
+    rank reading only its own samples."""
+    local_store, local, store, refs, held, read, recipe = nft_data_parallel_run
+    got = _rows(store, refs["train_epoch"], "checkpoints")[0]
+    want = _rows(local_store, local["train_epoch"], "checkpoints")[0]
+    for path in ("lora_path", "optimizer_path"):
+        _close(store.get_tensors(got[path]), local_store.get_tensors(want[path]))
+    assert got["param_change_norm"] > 1e-4  # the step moved the LoRA well beyond the tolerance
+    assert held == [got["policy_hash"]] * 2
+    steps = [_rows(s, r["train_epoch"], "train_steps") for s, r in ((store, refs),
+                                                                    (local_store, local))]
+    assert [r["objective"] for r in steps[0]] == [r["objective"] for r in steps[1]] == ["nft"]
+    assert [r["samples"] for r in steps[0]] == [r["samples"] for r in steps[1]] == [16]
+    for row, row0 in zip(*steps, strict=True):
+        for field in ("loss", "grad_norm", "positive_share"):
+            assert row[field] == pytest.approx(row0[field], rel=1e-5, abs=1e-7), field
+    assert got["update_kl_nats"] == pytest.approx(_solo_update_kl(store, recipe, refs),
+                                                  rel=1e-6)
+    assert len(store.read_table("checkpoints")) == 1
+    _read_own_shard(read, 16)
+
+
+RECAST = {"recast.weighting": "recast", "recast.prompts": 8, "recast.samples_per_prompt": 2}
+
+
+@pytest.mark.slow
+def test_recast_gains_run_on_the_actors(cluster, tmp_path_factory, monkeypatch):
+    """`recast.weighting = "recast"`: iterations 0 and 1 on the actors estimate ReCAST's gains on
+    the resident policy actor (the base model, then the trained policy it holds) with the images
+    scored on the scorer actors, and write the single process's gains rows; no actor reads the
+    backbone twice."""
+    from tests.pipeline_helpers import run_iteration as run_local
+
+    _, _, prompts, _ = reference(tmp_path_factory)
+    base = tmp_path_factory.mktemp("ray-recast")
+    local_store = Store(base / "local")
+    for k in (0, 1):
+        run_local(local_store, ci_recipe(prompts, **RECAST), k)
+    recipe = ci_recipe(prompts, **RAY, **RECAST)
+    store = Store(base / "ray")
+    stages = plain_stages()
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the flow's process loaded a backbone for recast_gains")
+
+    for name in ("load_base", "load_policy"):  # the actors are other processes
+        monkeypatch.setattr(f"tasks.stages.recast_gains.{name}", no_load)
+    with executor(recipe) as workers:
+        setup = run_setup(stages, store, recipe)
+        refs = [run_iteration(stages, store, recipe, setup, k, workers=workers) for k in (0, 1)]
+        loads = workers.loads()
+        workers.release()
+    assert all(not r["recast_gains"].skipped for r in refs)
+    run = recipe.run.name
+    for table in ("recast_gains", "checkpoints"):
+        assert (table_rows(store, table, run) == table_rows(local_store, table, run)), table
+    assert [n.backbone for n in loads["policy"]] == [1, 1]
+    assert loads["scorer"] == [1, 1]

@@ -45,8 +45,6 @@ def test_executor_and_ray_fields_are_not_pinned():
     ({"ray.workers": 2}, ["ray.workers", "unknown field"]),
     ({"ray.rollout_workers": 1, "ray.train_workers": 2},
      ["train_workers <= rollout_workers"]),
-    ({"run.executor": "ray", "ray.train_workers": 2, "train.objective": "nft"},
-     ["no data-parallel form", "set ray.train_workers = 1"]),
     ({"run.executor": "ray", "ray.train_workers": 2, "backbone.device": "cuda",
       "ray.num_gpus": 0.5}, ["NCCL needs a GPU of its own", "ray.num_gpus = 1"]),
     ({"run.executor": "ray", "backbone.device": "cuda"}, ["ray.num_gpus = 0", "set ray.num_gpus"]),
@@ -68,3 +66,4 @@ def test_data_parallel_training_is_accepted():
     assert "the first 2 train" in recipe.derived()["executor"]
     load_recipe(CI, {"run.executor": "ray", "ray.train_workers": 2, "backbone.device": "cuda",
                      "ray.num_gpus": 1})
+    load_recipe(CI, {"run.executor": "ray", "ray.train_workers": 2, "train.objective": "nft"})

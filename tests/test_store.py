@@ -213,6 +213,27 @@ def test_put_tensors_is_content_addressed_idempotent_and_exact(tmp_path):
         store.get_tensors(store.put_blob(b"not tensors", "bin"))
 
 
+def test_tensor_rows_are_the_rows_of_the_whole_read(tmp_path):
+    """A rank's read of some rows (runs and single rows, in any order, or none) is the whole
+    tensor indexed by them, bitwise; tensors not named come back whole."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"latents": torch.randn(7, 2, 3, 4, generator=g), "t": torch.rand(2, generator=g),
+               "log_probs": torch.randn(7, 2, generator=g).to(torch.bfloat16)}
+    store = Store(tmp_path)
+    ref = store.put_tensors(tensors)
+    for rows in ([0, 1, 2], [5, 6, 0, 3], [4], []):
+        got = store.get_tensor_rows(ref, rows, {"latents", "log_probs"})
+        assert sorted(got) == sorted(tensors)
+        for name in ("latents", "log_probs"):
+            assert got[name].dtype == tensors[name].dtype
+            assert torch.equal(got[name], tensors[name][rows]), (name, rows)
+        assert torch.equal(got["t"], tensors["t"])
+    with pytest.raises(IndexError, match="out of range"):
+        store.get_tensor_rows(ref.path, [6, 7], {"latents"})
+
+
 def test_stage_records_gate_resume(tmp_path):
     store = Store(tmp_path)
     assert store.stage_done("r", 0, "score_atoms", "k1") is None

@@ -68,7 +68,7 @@ def run_iteration(stages: Stages, store, recipe, setup: dict[str, Any], k: int,
     "recast_gains" only with `recast.weighting = "recast"`, its ref naming the iteration the
     gains were estimated on); `before` is called with each stage's name before it starts.
     `workers`: the Ray executor's actors (`tasks.stages.ray_workers.executor`), passed to the
-    rollout, scoring and training; None computes every stage here."""
+    rollout, scoring, ReCAST gains and training; None computes every stage here."""
     before = before or _nothing
     on = {} if workers is None else {"workers": workers}
     csgs, window = setup["build_csgs"], setup["calibrate_window"]
@@ -82,7 +82,7 @@ def run_iteration(stages: Stages, store, recipe, setup: dict[str, Any], k: int,
     gains = None
     if recipe.recast.weighting == "recast":
         before("recast_gains")
-        refs["recast_gains"] = gains = stages.recast_gains(store, recipe, k)
+        refs["recast_gains"] = gains = stages.recast_gains(store, recipe, k, **on)
     before("train_epoch")
     refs["train_epoch"] = stages.train_epoch(store, recipe, csgs, ro, sc, ad, k, gains, **on)
     return refs

@@ -9,12 +9,15 @@ images) are written through the store as one content-addressed blob, and the sta
 back in shard order and writes the same blobs and rows as one process would (seeds derive from
 (run seed, iteration, prompt id, sample index), never from a position in a batch). The training
 runs on the first `ray.train_workers` policy actors, data-parallel when there are several: they
-join a torch.distributed group for the call (`tasks.stages.train_group`), each trains its part
-of every optimizer step, and rank 0 writes; each then holds the trained policy, so the next
+join a torch.distributed group for the call (`tasks.stages.train_group`), each reads its own
+samples' window steps from the store and trains its part of every optimizer step, and rank 0
+writes; each then holds the trained policy, so the next
 rollout on it reloads nothing. Scorer actors (`ScorerWorker`) hold the recipe's scorer; the samples to score are
 split between them, each with all its atoms, and each actor reads its images from the store. An
 evaluation (`tasks.stages.evaluate`) runs on the same actors: its images sampled by the policy
-actors in shards of whole chunks, and scored by the scorer actors, passed through Ray. The
+actors in shards of whole chunks, and scored by the scorer actors, passed through Ray. ReCAST's
+gains (`tasks.stages.recast_gains`) are estimated on the first policy actor with the policy it
+holds, its images scored on the scorer actors (the policy actor calls them). The
 stage's completion record is written by `run_stage` after the body returns, so after every shard
 has finished. A remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on
 other machines: the scorer actors then call it.
@@ -43,9 +46,12 @@ import torch
 
 from cast_core.csg.graph import SceneGraph
 from cast_core.data_parallel import SOLO
+from cast_core.lora import reference_mode
+from cast_core.recast_gains import RecastGains
 from cast_core.rollout import Rollout
 from tasks.stages.models import scorer, set_threads
 from tasks.stages.policy_state import PolicyState
+from tasks.stages.recast_gains import RecastConfig, estimate
 from tasks.stages.recipe import Recipe
 from tasks.stages.resident import Loads, ResidentPolicy
 from tasks.stages.rollout import Sampled, rollout_spec, sample_groups
@@ -67,6 +73,7 @@ class PolicyWorker:
 
     def __init__(self) -> None:
         self.resident = ResidentPolicy()
+        self.samples_read: tuple[int, ...] = ()  # by its last training: its rank's samples
 
     def rollout_shard(self, root: str, recipe: Recipe, policy: PolicyState, window_row: dict,
                       picks: list[dict], iteration: int) -> BlobRef:
@@ -91,6 +98,19 @@ class PolicyWorker:
         backbone, _ = self.resident.get(Store(root), recipe, policy)
         return sample_images(backbone, prompts, seeds, recipe)
 
+    def recast_gains(self, root: str, recipe: Recipe, config: RecastConfig, policy: PolicyState,
+                     workers: Workers) -> RecastGains:
+        """`recast_gains.estimate` on the held policy (its adapter off for the base model: the
+        local stage's `load_base`), scored on the scorer actors of `workers`."""
+        set_threads(recipe)
+        backbone, _ = self.resident.get(Store(root), recipe, policy)
+
+        def score(images: torch.Tensor, graphs: list[SceneGraph]) -> list:
+            return workers.score_images(recipe, images, graphs)
+
+        with reference_mode(backbone) if policy.lora_path is None else nullcontext():
+            return estimate(recipe, config, backbone, score)
+
     def rendezvous(self) -> str:
         """An address on this actor's node where a training group can meet."""
         return rendezvous()
@@ -110,6 +130,7 @@ class PolicyWorker:
             self.resident.forget()
             raise
         self.resident.trained(trained.policy_hash)
+        self.samples_read = trained.samples_read
         return trained
 
     def loads(self) -> Loads:
@@ -205,6 +226,15 @@ class Workers:
         calls = [actor.score_images.remote(recipe, images[lo:hi], graphs[lo:hi])
                  for actor, (lo, hi) in zip(self.scorers, parts)]
         return _one_scorer(ray.get(calls))[1]
+
+    def recast_gains(self, store: Store, recipe: Recipe, config: RecastConfig,
+                     policy: PolicyState) -> RecastGains:
+        """ReCAST's gains (`recast_gains.estimate`) of `policy` (no LoRA: the base model) on the
+        first policy actor, its images scored on the scorer actors."""
+        import ray
+
+        return ray.get(self.policy[0].recast_gains.remote(str(store.root), recipe, config,
+                                                          policy, self))
 
     def train(self, store: Store, recipe: Recipe, policy: PolicyState, *inputs: Any) -> Trained:
         """The iteration's training on the first policy actor, or data-parallel on the first

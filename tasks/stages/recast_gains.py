@@ -8,7 +8,9 @@ ODE; both at the recipe's steps and CFG, scored by the recipe's scorer through
 `cast_core.recast_gains` (see there for the math). Scene and noise seeds derive from (run seed,
 prompt id, sample index) only, so every iteration sees the same positives and noise and the gains
 move with the policy alone. Writes `recast_gains` (one row per reward and schedule step) and a
-PNG heatmap blob whose path every row carries.
+PNG heatmap blob whose path every row carries. The computation is `estimate`; with the Ray
+executor (`workers`) it runs on the first resident policy actor, on the policy it holds, its
+images scored on the scorer actors, and the rows are written here.
 
 Training (`recast.weighting` in the recipe): `gains_for_training` runs this stage on the policy of
 every `recast.every`-th iteration, and `reward_step_weights` turns the result (restricted to the
@@ -36,6 +38,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -60,12 +63,15 @@ from cast_core.shapes.render import render, sample_scene
 from tasks.stages.guard import stage_task
 from tasks.stages.models import base_hash, load_base, load_policy, scorer, scorer_id, set_threads
 from tasks.stages.plots import plot_recast_gains
-from tasks.stages.policy_state import policy_for
+from tasks.stages.policy_state import PolicyState, policy_for
 from tasks.stages.prompt_sets import load_prompts
 from tasks.stages.recipe import Recipe
 from tasks.store.schemas import prompt_id
 from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
+
+if TYPE_CHECKING:
+    from tasks.stages.ray_workers import Workers
 
 STAGE = "recast_gains"
 RENDERER = "renderer"
@@ -116,6 +122,8 @@ class RecastConfig:
 
 
 def _policy_hash(store: Store, recipe: Recipe, policy_lora: str | None) -> str:
+    """The LoRA blob's sha256 (a checkpoint's policy hash), or the base model's name as
+    `policy_for` gives it at iteration 0."""
     if policy_lora is None:
         return f"base-{base_hash(recipe)[:16]}"
     return file_hash(store.resolve(policy_lora))
@@ -217,9 +225,51 @@ def _rows(result: RecastGains, run_id: str, iteration: int, policy_hash: str,
             for k, name in enumerate(result.rewards) for t in range(result.sigmas.shape[0])]
 
 
+def estimate(recipe: Recipe, config: RecastConfig, backbone, score) -> RecastGains:
+    """The stage's computation: the gains of the loaded policy `backbone` (base or LoRA), its
+    samples and the positives scored by `score(images, graphs) -> [(scores [A], heatmaps)]`
+    (the recipe's scorer, here or on the Ray executor's scorer actors)."""
+    s = recipe.sampling
+    m = config.samples_per_prompt
+    if config.positives == RENDERER:
+        picks = _pick(load_prompts(recipe, recipe.prompts.train), config.prompts)
+        positive_images_of = None
+    else:
+        entries = _pick(read_positive_folder(config.positives), config.prompts)
+        picks, positive_images_of = [r for r, _ in entries], [p[:m] for _, p in entries]
+    samples = [(r, j) for r in picks for j in range(m)]
+    prompts = [r["prompt"] for r, _ in samples]
+    graphs = [graph_from_geneval(r) for r, _ in samples]
+    seeds = [derive_seed(recipe.run.seed, "recast-noise", prompt_id(r["prompt"]), j)
+             for r, j in samples]
+    statistics = atom_type_statistics(score, tuple(config.budget_map()))
+    if positive_images_of is None:
+        scenes = [derive_seed(recipe.run.seed, "recast-scene", prompt_id(r["prompt"]), j)
+                  for r, j in samples]
+        images, kept = positive_images([r for r, _ in samples], scenes), samples
+    else:
+        kept = [(r, j) for r, paths in zip(picks, positive_images_of, strict=True)
+                for j in range(len(paths))]
+        images = load_images([p for paths in positive_images_of for p in paths],
+                             *_image_size(backbone))
+    index = {(prompt_id(r["prompt"]), j): i for i, (r, j) in enumerate(samples)}
+    take = [index[(prompt_id(r["prompt"]), j)] for r, j in kept]
+    x0 = backbone.encode_images(images)
+    args = (s.num_steps, s.guidance_scale, statistics, s.chunk_size)
+    positive = positive_statistics(backbone, x0, [prompts[i] for i in take],
+                                   [graphs[i] for i in take], [seeds[i] for i in take], *args)
+    policy = policy_statistics(backbone, prompts, graphs, seeds, *args)
+    return estimate_gains(positive, policy, config.budget_map(), config.alpha, config.tau,
+                          config.variance_floor)
+
+
 def recast_gains(store: Store, recipe: Recipe, iteration: int,
-                 config: RecastConfig = RecastConfig(), policy_lora: str | None = None) -> StageRef:
-    run_id, s = recipe.run.name, recipe.sampling
+                 config: RecastConfig = RecastConfig(), policy_lora: str | None = None,
+                 workers: Workers | None = None) -> StageRef:
+    """The stage (module docstring); with `workers` (the Ray executor) the gains are estimated
+    on the first resident policy actor (holding the policy, no backbone load) with the samples
+    scored on the scorer actors, and written here."""
+    run_id = recipe.run.name
     if config.positives == RENDERER and recipe.backbone.family != "shapes":
         raise ValueError(f"recast_gains: the renderer gives positives only for the shapes family "
                          f"(backbone.family is {recipe.backbone.family!r}); set recast.positives "
@@ -227,39 +277,13 @@ def recast_gains(store: Store, recipe: Recipe, iteration: int,
 
     def body():
         set_threads(recipe)
-        m = config.samples_per_prompt
-        if config.positives == RENDERER:
-            picks = _pick(load_prompts(recipe, recipe.prompts.train), config.prompts)
-            positive_images_of = None
+        if workers is not None:
+            result = workers.recast_gains(store, recipe, config, PolicyState(
+                iteration, _policy_hash(store, recipe, policy_lora), policy_lora, None))
         else:
-            entries = _pick(read_positive_folder(config.positives), config.prompts)
-            picks, positive_images_of = [r for r, _ in entries], [p[:m] for _, p in entries]
-        samples = [(r, j) for r in picks for j in range(m)]
-        prompts = [r["prompt"] for r, _ in samples]
-        graphs = [graph_from_geneval(r) for r, _ in samples]
-        seeds = [derive_seed(recipe.run.seed, "recast-noise", prompt_id(r["prompt"]), j)
-                 for r, j in samples]
-        backbone = (load_base(recipe) if policy_lora is None
-                    else load_policy(recipe, store.get_tensors(policy_lora))[0])
-        statistics = atom_type_statistics(scorer(recipe)[1], tuple(config.budget_map()))
-        if positive_images_of is None:
-            scenes = [derive_seed(recipe.run.seed, "recast-scene", prompt_id(r["prompt"]), j)
-                      for r, j in samples]
-            images, kept = positive_images([r for r, _ in samples], scenes), samples
-        else:
-            kept = [(r, j) for r, paths in zip(picks, positive_images_of, strict=True)
-                    for j in range(len(paths))]
-            images = load_images([p for paths in positive_images_of for p in paths],
-                                 *_image_size(backbone))
-        index = {(prompt_id(r["prompt"]), j): i for i, (r, j) in enumerate(samples)}
-        take = [index[(prompt_id(r["prompt"]), j)] for r, j in kept]
-        x0 = backbone.encode_images(images)
-        args = (s.num_steps, s.guidance_scale, statistics, s.chunk_size)
-        positive = positive_statistics(backbone, x0, [prompts[i] for i in take],
-                                       [graphs[i] for i in take], [seeds[i] for i in take], *args)
-        policy = policy_statistics(backbone, prompts, graphs, seeds, *args)
-        result = estimate_gains(positive, policy, config.budget_map(), config.alpha, config.tau,
-                                config.variance_floor)
+            backbone = (load_base(recipe) if policy_lora is None
+                        else load_policy(recipe, store.get_tensors(policy_lora))[0])
+            result = estimate(recipe, config, backbone, scorer(recipe)[1])
         policy_hash = _policy_hash(store, recipe, policy_lora)
         plot = store.put_blob(plot_recast_gains(
             result, f"{run_id} iteration {iteration}: ReCAST gains ({policy_hash[:12]})"), "png")
@@ -315,14 +339,16 @@ def training_cache_key(store: Store, recipe: Recipe, iteration: int) -> str:
     return cache_key(store, recipe, k0, config_from_recipe(recipe), lora)
 
 
-def gains_for_training(store: Store, recipe: Recipe, iteration: int) -> StageRef:
+def gains_for_training(store: Store, recipe: Recipe, iteration: int,
+                       workers: Workers | None = None) -> StageRef:
     """The gains training iteration `iteration` weights its loss with: estimated on the policy of
-    `gains_iteration` (recorded at that iteration; later iterations reuse the cached result)."""
+    `gains_iteration` (recorded at that iteration; later iterations reuse the cached result);
+    `workers`: the Ray executor's actors, or None to compute here."""
     if recipe.recast.weighting != "recast":
         raise ValueError(f"gains_for_training needs recast.weighting = 'recast'; the recipe has "
                          f"{recipe.recast.weighting!r}")
     k0, lora = _training_args(store, recipe, iteration)
-    return recast_gains(store, recipe, k0, config_from_recipe(recipe), lora)
+    return recast_gains(store, recipe, k0, config_from_recipe(recipe), lora, workers)
 
 
 def reward_step_weights(store: Store, recipe: Recipe, window_start: int, window_end: int,

@@ -143,15 +143,11 @@ class Recipe(Section):
         self._ray_training()
 
     def _ray_training(self) -> None:
-        """Data-parallel training (ray.train_workers > 1) needs the SDE objective and, on GPUs,
-        one whole GPU per rank (NCCL refuses two ranks on one device)."""
+        """Data-parallel training (ray.train_workers > 1, either objective) needs, on GPUs, one
+        whole GPU per rank (NCCL refuses two ranks on one device)."""
         r = self.ray
         if r.train_workers == 1:
             return
-        if self.train.objective == "nft":
-            raise ValueError(f"ray.train_workers = {r.train_workers} with train.objective = "
-                             f"'nft': the NFT update has no data-parallel form; set "
-                             f"ray.train_workers = 1")
         if self.backbone.device.startswith("cuda") and r.num_gpus < 1:
             raise ValueError(f"ray.train_workers = {r.train_workers} on {self.backbone.device!r} "
                              f"with ray.num_gpus = {r.num_gpus:g}: NCCL needs a GPU of its own "

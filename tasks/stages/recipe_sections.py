@@ -381,7 +381,8 @@ class RaySection(Section):
     local cluster in the flow's process, anything else is passed to `ray.init` (e.g. "auto" or
     "ray://head:10001") to join a running one. `rollout_workers` resident policy actors split each
     rollout's prompt groups between them; the first `train_workers` of them train, data-parallel
-    when more than one (a torch.distributed group: gloo on CPU, NCCL on GPU, with a GPU per rank).
+    when more than one (a torch.distributed group: gloo on CPU, NCCL on GPU, with a GPU per rank;
+    either `train.objective`, each rank reading only its samples' window steps).
     `scorer_workers` resident scorer actors split the samples to score. `num_gpus` / `num_cpus`: what each policy actor reserves,
     `scorer_num_gpus` / `scorer_num_cpus` each scorer actor (fractions share a device). Nothing
     here changes a result, so the whole section is unpinned."""

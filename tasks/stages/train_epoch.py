@@ -48,8 +48,9 @@ mean score per atom type, the zero-variance fraction, the alarm), trains the loa
 `iteration_stats`, `train_step_rows` and `checkpoint_row` are tested on plain inputs. The
 training and its writes (`train_and_write`) take the loaded policy, so the Ray executor runs them
 on resident policy actors (`tasks.stages.ray_workers`), data-parallel across `ray.train_workers`
-of them (`cast_core.data_parallel`: each rank trains its part of every step; the ranks check
-that they hold the same trained LoRA and rank 0 alone writes). The mean
+of them (`cast_core.data_parallel`: each rank reads the window steps of its own samples only and
+trains its part of every step, of either objective; the ranks check that they hold the same
+trained LoRA and rank 0 alone writes). The mean
 score per atom type and the rollout images' high-frequency energy are computed here, from the
 stored atom scores and images: no earlier stage's table has a column for them.
 """
@@ -87,6 +88,7 @@ from tasks.stages.score_atoms import load_graphs, load_rollout_rows
 from tasks.stages.train_update import (
     TrainBatch,
     TrainOutcome,
+    held_samples,
     nft_config,
     pick_advantage,
     policy_config,
@@ -100,6 +102,7 @@ if TYPE_CHECKING:
     from tasks.stages.ray_workers import Workers
 
 STAGE = "train_epoch"
+ROLLOUT_ROWS = ("x0", "latents", "next_latents", "log_probs")  # per sample; t, t_next shared
 
 
 @dataclass(frozen=True)
@@ -243,11 +246,21 @@ def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], win
 
 
 def read_batch(store: Store, recipe: Recipe, rows: list[dict], csgs: StageRef,
-               advantages: StageRef, gains: StageRef | None, device: torch.device) -> TrainBatch:
+               advantages: StageRef, gains: StageRef | None, device: torch.device,
+               iteration: int = 0, shard: Shard = SOLO) -> TrainBatch:
     """The update's inputs for the rollout `rows` (in blob order): their window steps on the
-    transformer's `device` (where the replay's velocities are), prompts and advantages."""
-    blob = {k: v.to(device) for k, v in store.get_tensors(rows[0]["latents_path"]).items()}
-    index = [r["blob_index"] for r in rows]
+    transformer's `device` (where the replay's velocities are), prompts and advantages. A rank
+    of a data-parallel group reads the window steps of its samples only (`held_samples` of the
+    `iteration`'s update; `Store.get_tensor_rows`), the prompts and advantages of all."""
+    held = held_samples(recipe, len(rows), iteration, shard)
+    if held is None:
+        blob = {k: v.to(device) for k, v in store.get_tensors(rows[0]["latents_path"]).items()}
+        index = [r["blob_index"] for r in rows]
+    else:
+        index = [rows[i]["blob_index"] for i in held.tolist()]
+        blob = {k: v.to(device) for k, v in store.get_tensor_rows(
+            rows[0]["latents_path"], index, ROLLOUT_ROWS).items()}
+        index = list(range(len(index)))
     rollout = Rollout(x0=blob["x0"][index], latents=blob["latents"][index],
                       next_latents=blob["next_latents"][index],
                       log_probs=blob["log_probs"][index], t=blob["t"], t_next=blob["t_next"])
@@ -257,8 +270,8 @@ def read_batch(store: Store, recipe: Recipe, rows: list[dict], csgs: StageRef,
     adv_blob = store.get_tensors(store.read_output(advantages, "advantage_maps",
                                                    ["map_path"])["map_path"][0].as_py())
     adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
-    return TrainBatch([texts[r["prompt_id"]] for r in rows], rollout, spec, adv[index],
-                      loss_kind, weights_json)
+    return TrainBatch([texts[r["prompt_id"]] for r in rows], rollout, spec,
+                      adv[[r["blob_index"] for r in rows]], loss_kind, weights_json, held)
 
 
 def read_stats(store: Store, scores: StageRef, advantages: StageRef,
@@ -315,10 +328,12 @@ def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef
 
 @dataclass(frozen=True)
 class Trained:
-    """What `train_and_write` wrote (the stage's outputs) and the trained policy's hash."""
+    """What `train_and_write` wrote (the stage's outputs), the trained policy's hash and the
+    samples whose window steps this process read (all N on one process, a rank's own)."""
 
     refs: list
     policy_hash: str
+    samples_read: tuple[int, ...] = ()
 
 
 def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: PolicyState,
@@ -335,11 +350,12 @@ def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: Poli
     optimizer = _optimizer(store, recipe, params, policy.optimizer_path, lr)
     rows = load_rollout_rows(store, rollouts)
     device = next(backbone.transformer.parameters()).device
-    batch = read_batch(store, recipe, rows, csgs, advantages, gains, device)
+    batch = read_batch(store, recipe, rows, csgs, advantages, gains, device, iteration, shard)
     outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr, shard)
     policy_hash = _same_policy(outcome.lora, shard, device)
+    read = tuple(range(len(rows)) if batch.held is None else batch.held.tolist())
     if shard.rank > 0:
-        return Trained([], policy_hash)
+        return Trained([], policy_hash, read)
     stats = read_stats(store, scores, advantages, recipe.advantage.std_floor)
     _warn(outcome, stats, recipe, batch, iteration)
     keys, part = {"run_id": run_id, "iteration": iteration}, f"{run_id}-{iteration:05d}"
@@ -355,7 +371,7 @@ def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: Poli
     checkpoint = checkpoint_row(keys, lora, opt, base_hash(recipe), recipe.train, outcome,
                                 _rollout_hf_energy(store, rows), stats.alarm, lr)
     return Trained([store.write_table("train_steps", steps, part), lora, opt,
-                    store.write_table("checkpoints", [checkpoint], part)], lora.sha256)
+                    store.write_table("checkpoints", [checkpoint], part)], lora.sha256, read)
 
 
 def _same_policy(lora: dict[str, torch.Tensor], shard: Shard, device: torch.device) -> str:

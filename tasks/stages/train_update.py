@@ -21,8 +21,14 @@ from tqdm.auto import tqdm
 from cast_core.data_parallel import SOLO, Shard
 from cast_core.diagnostics import param_change_norm
 from cast_core.lr_schedule import linear_warmup_lr
-from cast_core.nft_update import NftConfig, NftStep, nft_update
-from cast_core.policy import PolicyConfig, UpdateStep, policy_update, update_kl_nats
+from cast_core.nft_update import NftConfig, NftStep, nft_step_indices, nft_update
+from cast_core.policy import (
+    PolicyConfig,
+    UpdateStep,
+    policy_update,
+    step_indices,
+    update_kl_nats,
+)
 from cast_core.rollout import Rollout, RolloutSpec
 from tasks.stages.models import lora_tensors, optimizer_tensors
 from tasks.stages.recipe import Recipe
@@ -41,7 +47,9 @@ class TrainBatch:
     prompts: [N] each sample's prompt text; rollout: their window steps on the transformer's
     device; spec: the sampler and window they were drawn with; advantages: [N, h, w] maps or [N]
     scalars (`pick_advantage`), or [N, K, h, w] step maps (ReCAST); loss_kind: "spatial" or
-    "scalar"; weights_json: the ReCAST step weights as `train_steps` stores them, or None."""
+    "scalar"; weights_json: the ReCAST step weights as `train_steps` stores them, or None;
+    held: None when `rollout` holds all N samples, else the sorted indices of the samples it
+    holds (a data-parallel rank's, `held_samples`); prompts and advantages are always all N's."""
 
     prompts: list[str]
     rollout: Rollout
@@ -49,6 +57,7 @@ class TrainBatch:
     advantages: Tensor
     loss_kind: str
     weights_json: str | None
+    held: Tensor | None = None
 
 
 
@@ -85,6 +94,31 @@ def nft_config(recipe: Recipe) -> NftConfig:
                      centre=tr.nft_centre, group_size=recipe.prompts.group_size,
                      inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
                      micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm)
+
+
+def update_steps(recipe: Recipe, n: int, iteration: int) -> list[Tensor]:
+    """Every optimizer step's sample indices (of the n samples) in the order the recipe's update
+    takes them: its seeded shuffle (`policy.step_indices`, `nft_update.nft_step_indices`)."""
+    seed = recipe.run.seed
+    if recipe.train.objective == "nft":
+        return nft_step_indices(n, nft_config(recipe), derive_seed(seed, "nft", iteration))
+    return step_indices(n, policy_config(recipe, "scalar"),
+                        derive_seed(seed, "shuffle", iteration))
+
+
+def held_samples(recipe: Recipe, n: int, iteration: int, shard: Shard) -> Tensor | None:
+    """The samples whose window steps a rank of the training group needs: those of its parts of
+    every optimizer step (`Shard.rows`), sorted; None (all n) on one process."""
+    if shard.world == 1:
+        return None
+    return shard.rows(update_steps(recipe, n, iteration))
+
+
+def first_pass_split(recipe: Recipe, n: int, iteration: int, world: int) -> list[Tensor]:
+    """Every rank's samples in the first inner epoch: a partition of the n samples (the ranks'
+    shares of `update_kl_nats`)."""
+    first = update_steps(recipe, n, iteration)[:recipe.train.steps_per_epoch]
+    return [Shard(rank, world).rows(first) for rank in range(world)]
 
 
 def pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, str]:
@@ -148,8 +182,6 @@ def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recip
             iteration: int, lr_for_step: Callable[[int], float], shard: Shard) -> list:
     """The recipe's update (the SDE policy objective or NFT) with a progress bar (rank 0's)."""
     tr, seed = recipe.train, recipe.run.seed
-    if tr.objective == "nft" and shard.world > 1:
-        raise ValueError("the NFT update has no data-parallel form; train it on one worker")
     with tqdm(total=tr.steps_per_epoch * tr.inner_epochs, desc=f"train {iteration}", unit="step",
               mininterval=1.0, disable=shard.rank > 0) as bar:
         def show(u: UpdateStep | NftStep) -> None:
@@ -160,11 +192,11 @@ def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recip
             return nft_update(backbone, optimizer, batch.prompts, batch.rollout.x0,
                               batch.advantages, nft_config(recipe), nft_training_guidance(recipe),
                               derive_seed(seed, "nft", iteration), lr_for_step=lr_for_step,
-                              on_step=show)
+                              on_step=show, shard=shard, held=batch.held)
         return policy_update(backbone, optimizer, batch.prompts, batch.rollout, batch.spec,
                              batch.advantages, policy_config(recipe, batch.loss_kind),
                              shuffle_seed=derive_seed(seed, "shuffle", iteration), on_step=show,
-                             lr_for_step=lr_for_step, shard=shard)
+                             lr_for_step=lr_for_step, shard=shard, held=batch.held)
 
 
 def _adam_steps(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:
@@ -177,7 +209,9 @@ def train_policy(backbone, params: list[Tensor], optimizer: torch.optim.Optimize
     """One iteration's update of the loaded policy (`params`: its LoRA parameters, trained by
     `optimizer`) at the iteration's `lr`, warmed up over the run's first optimizer steps; raises
     NonFiniteWeights when the weights came out non-finite, else measures how far it moved. With
-    a `shard` of a data-parallel group every rank trains its part and ends on the same weights."""
+    a `shard` of a data-parallel group every rank trains its part (of the SDE or the NFT
+    objective, its batch holding the rows `held_samples` names) and ends on the same weights,
+    and the move's KL is computed across the ranks."""
     tr = recipe.train
     first_step = _adam_steps(optimizer, params)
     before = [p.detach().clone() for p in params]
@@ -185,8 +219,11 @@ def train_policy(backbone, params: list[Tensor], optimizer: torch.optim.Optimize
                       lambda j: linear_warmup_lr(lr, tr.warmup_steps, first_step + j), shard)
     lora, (state, groups) = lora_tensors(backbone), optimizer_tensors(optimizer)
     _refuse_non_finite(lora, state, updates, iteration, lr)
+    split = (first_pass_split(recipe, len(batch.prompts), iteration, shard.world)
+             if shard.world > 1 else None)
     moved = (update_kl_nats(backbone, batch.prompts, batch.rollout, batch.spec,
-                            micro_batch=tr.micro_batch)
+                            micro_batch=tr.micro_batch, shard=shard, held=batch.held,
+                            split=split)
              if recipe.sampling.noise_level > 0 else None)  # the ODE has no likelihoods
     return TrainOutcome(updates, first_step, lora, state, groups, _adam_steps(optimizer, params),
                         param_change_norm(before, params), moved)

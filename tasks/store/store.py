@@ -21,7 +21,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,12 @@ from tasks.store.schemas import SchemaError, conform, table_spec
 
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]*")
 _EXT = re.compile(r"[a-z0-9]+(\.[a-z0-9]+)*")
+
+
+def _cat(parts: list[Any]) -> Any:
+    import torch  # torch is imported only by the tensor functions
+
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def tensor_bytes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -160,6 +166,40 @@ class Store:
             raise ValueError(f"{path} is not a .safetensors file; tensors are only read from "
                              f"safetensors blobs written by put_tensors")
         return load_file(str(path))
+
+    def get_tensor_rows(self, ref_or_path: BlobRef | str | os.PathLike, rows: Sequence[int],
+                        names: Collection[str]) -> dict[str, Any]:
+        """Load a safetensors blob reading, of each tensor in `names`, only the first-axis `rows`
+        (in that order; e.g. one data-parallel rank's samples), and the other tensors whole. Each
+        run of consecutive rows is read as one slice, so only those rows' bytes come off the
+        file: tensor[rows] of `get_tensors`, bitwise."""
+        from safetensors import safe_open
+
+        path = self.resolve(ref_or_path.path if isinstance(ref_or_path, BlobRef) else ref_or_path)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{path} is not a .safetensors file; tensors are only read from "
+                             f"safetensors blobs written by put_tensors")
+        rows = [int(i) for i in rows]
+        runs: list[tuple[int, int]] = []  # [lo, hi) of consecutive rows
+        for i in rows:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        out = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if name not in names:
+                    out[name] = f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                length = part.get_shape()[0]
+                if any(not 0 <= i < length for i in rows):
+                    raise IndexError(f"{path}: rows {rows} out of range for {name!r} of "
+                                     f"{length} rows")
+                out[name] = (_cat([part[lo:hi] for lo, hi in runs]) if runs
+                             else part[0:0])
+        return out
 
     def record_stage(self, run_id: str, iteration: int, stage: str, cache_key: str,
                      refs: Sequence[TableRef | BlobRef], *, code_version: str | None = None,
