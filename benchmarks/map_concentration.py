@@ -14,7 +14,10 @@ credit; `scalar` [N], Flow-GRPO's advantage; every run stores all three whatever
 - the correlation over samples of the map's spatial mean with the scalar advantage;
 - the mean over prompts of each group's mean credit (map's spatial mean; the no-map credit) and the
   SD of that credit over samples: a scalar z-score has group mean 0, and a group mean above 0
-  adds noise to the SDE objective's gradient (the score has mean 0) without signal.
+  adds noise to the SDE objective's gradient (the score has mean 0) without signal;
+- the share of within-group sample pairs that the no-map credit and the scalar advantage order
+  oppositely (`cast_core.diagnostics.order_disagreement`; 0 for a credit that ranks a group as
+  its mean atom score does).
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cast_core.diagnostics import map_noise_factor
+from cast_core.diagnostics import map_noise_factor, order_disagreement
 from tasks.store.store import Store
 
 
 def iteration_figures(maps: Tensor, atom: Tensor, scalar: Tensor, prompts: list[str]) -> dict:
-    """The figures of one iteration: maps [N, h, w], atom [N], scalar [N], prompts [N] (ids)."""
+    """The figures of one iteration: maps [N, h, w], atom [N], scalar [N], prompts [N] (ids,
+    each prompt's samples contiguous and equally many)."""
     maps, atom, scalar = maps.double(), atom.double(), scalar.double()
     mean = maps.flatten(1).mean(dim=1)  # [N] each map's spatial mean
 
@@ -49,7 +53,9 @@ def iteration_figures(maps: Tensor, atom: Tensor, scalar: Tensor, prompts: list[
     return {"noise_factor": map_noise_factor(maps),
             "corr_map_scalar": float(torch.corrcoef(torch.stack([mean, scalar]))[0, 1]),
             "map_group_mean": group_mean(mean), "map_sd": float(mean.std(correction=0)),
-            "atom_group_mean": group_mean(atom), "atom_sd": float(atom.std(correction=0))}
+            "atom_group_mean": group_mean(atom), "atom_sd": float(atom.std(correction=0)),
+            "atom_scalar_flips": order_disagreement(*(v.view(len(set(prompts)), -1)
+                                                      for v in (atom, scalar)))}
 
 
 def run_figures(store: Store, run: str) -> dict[int, dict]:

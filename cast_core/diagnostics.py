@@ -1,5 +1,5 @@
 """Training diagnostics that are not part of the objective: image high-frequency energy, the size
-of a policy update, and the constant-reward alarm.
+of a policy update, how maps and credits compare, and the constant-reward alarm.
 
 High-frequency energy (an artifact / reward-hacking check). For one image [C, H, W] in [0, 1]:
 grayscale g = BT.601 luma (0.299 R + 0.587 G + 0.114 B; a one-channel image is used as is), its
@@ -28,6 +28,14 @@ is how much more gradient noise the map's spatial shape costs than its mean cred
 gains only where the reward's true gradient is concentrated where the map is. Closed forms: a
 constant map gives 1; a map equal to mbar_k / f on a fraction f of the positions and 0 elsewhere
 gives 1 / f.
+
+Order disagreement (``order_disagreement``), for two credits a, b [B, G] of the same B groups
+of G samples: the share of the within-group pairs (g < g') that the two order oppositely,
+sign(a_g - a_g') = -sign(b_g - b_g') != 0, among the pairs neither ties (|difference| <= tol).
+Two credits that are increasing functions of each other within every group give 0; a reversed
+order gives 1. E.g. CAST's gated atom credit against Flow-GRPO's advantage: gating zeroes the
+(negative) credits of a missing object's count and attribute atoms, so a sample that leaves the
+object out can rank above one that draws it in the wrong colour.
 
 Constant-reward alarm: a reward gives no learning signal in an iteration when every group of it
 has zero variance. Per atom type: every (prompt, atom) group of that type is flagged
@@ -104,6 +112,22 @@ def map_noise_factor(maps: Tensor) -> float:
     if not mean_sq > 0:
         raise ValueError("every map has spatial mean 0: no credit to compare the map's noise with")
     return float(m.pow(2).mean() / mean_sq)
+
+
+def order_disagreement(a: Tensor, b: Tensor, tol: float = 1e-6) -> float:
+    """The module docstring's share of within-group pairs ordered oppositely by credits a and
+    b [B, G]; raises when no pair is untied in both."""
+    if a.dim() != 2 or a.shape != b.shape:
+        raise ValueError(f"need a and b [B, G] of one shape; got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}")
+    da = a.double()[:, :, None] - a.double()[:, None, :]  # [B, G, G]
+    db = b.double()[:, :, None] - b.double()[:, None, :]
+    upper = torch.ones(a.shape[1], a.shape[1], dtype=torch.bool).triu(1)  # g < g'
+    untied = upper & (da.abs() > tol) & (db.abs() > tol)  # [B, G, G]
+    if not untied.any():
+        raise ValueError("no pair of samples differs in both credits: nothing to compare")
+    flipped = untied & (da.sign() != db.sign())
+    return float(flipped.sum() / untied.sum())
 
 
 @dataclass(frozen=True)

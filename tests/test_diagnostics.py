@@ -12,6 +12,7 @@ from cast_core.diagnostics import (
     constant_reward_alarm,
     high_frequency_energy,
     map_noise_factor,
+    order_disagreement,
     param_change_norm,
 )
 from cast_core.lora import add_lora
@@ -227,3 +228,17 @@ def test_map_noise_factor_closed_forms():
         map_noise_factor(torch.zeros(2, 4, 4))
     with pytest.raises(ValueError, match=r"\[N, h, w\]"):
         map_noise_factor(torch.ones(4, 4))
+
+
+def test_order_disagreement_closed_forms():
+    b = torch.tensor([[0.1, 0.5, 0.9], [3.0, 2.0, 1.0]])
+    assert order_disagreement(2 * b + 1, b) == 0.0  # increasing within each group
+    assert order_disagreement(-b, b) == 1.0
+    a = torch.tensor([[0.1, 0.9, 0.5], [3.0, 2.0, 1.0]])  # one of six pairs flipped
+    assert order_disagreement(a, b) == pytest.approx(1 / 6)
+    tied = torch.tensor([[0.0, 0.0, 1.0], [3.0, 2.0, 1.0]])  # the tied pair is left out
+    assert order_disagreement(tied, b) == 0.0
+    with pytest.raises(ValueError, match="nothing to compare"):
+        order_disagreement(torch.zeros(1, 3), b[:1])
+    with pytest.raises(ValueError, match="one shape"):
+        order_disagreement(b, b[:1])
