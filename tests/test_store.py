@@ -435,3 +435,32 @@ def test_code_version_hashes_every_source_of_cast_core_and_tasks():
     for path in expected:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     assert code_version() == digest.hexdigest()[:16]
+
+
+def test_cached_part_reads_equal_a_dataset_read_and_follow_rewrites_and_deletes(tmp_path):
+    """read_table serves small parts from a per-process cache: it must read what a fresh
+    dataset scan reads, see a part rewritten under the same name, and drop a deleted one."""
+    import pyarrow.dataset as ds
+
+    store = Store(tmp_path)
+    for k in range(3):
+        store.write_table("atoms", [_atom_row(f"p{k}", i) for i in range(2)], part=f"part{k}")
+    spec = TABLES["atoms"]
+
+    def scanned(filters=None):
+        files = [str(f) for f in store.parts("atoms")]
+        return ds.dataset(files, schema=spec.schema, format="parquet").to_table(filter=filters)
+
+    from tasks.store import parts
+
+    for _ in range(2):  # the first read scans, the second reads every part, then the cache
+        assert store.read_table("atoms").equals(scanned())
+        assert store.read_table("atoms", {"prompt_id": "p1"}).equals(
+            scanned(pc.field("prompt_id") == "p1"))
+    assert sum(k[0].startswith(str(tmp_path)) for k in parts._cache) == 3
+    store.write_table("atoms", [_atom_row("new", 0)], part="part1")
+    assert store.read_table("atoms").column("prompt_id").to_pylist() == ["p0", "p0", "new",
+                                                                          "p2", "p2"]
+    (tmp_path / "tables" / "atoms" / "part0.parquet").unlink()
+    assert store.read_table("atoms").equals(scanned())
+    assert store.read_table("atoms").num_rows == 3
