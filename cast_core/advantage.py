@@ -24,6 +24,14 @@ which must not leak 1e-8 credits). Padded atoms (atom_mask False) get 0 and are 
 Gating (DSG-style, ours to specify): a child atom gets 0 in sample g when any of its *direct*
 parents scored below `present_threshold` in that sample. It is applied after z-scoring, so group
 statistics still include the gated samples; pass a transitive closure to gate on ancestors.
+Gating the score instead (`gate_scores`, `gate_on = "score"`, DSG's own rule: a question whose
+parent is answered "no" counts as failed): the child's *score* is set to 0 where a parent is
+absent, before the z-score, and repeated until nothing changes, so a failure reaches every
+descendant. Why (issue 17, reports/cfg1-pool8-rank32-credit-fixes): zeroing the *credit* removes
+the mostly negative credits of a missing object's count, attribute and relation atoms, so the
+gated credit of a group sums to about +0.10 SD 0.42 and orders 4% of its sample pairs against
+their mean atom score (a sample that leaves the object out can outrank one that draws it in the
+wrong colour); a score of 0 instead ranks a missing object below every way of drawing it.
 
 Credit norm (`credit_norm`, ours; "none" is the paper's). With "group", after gating, each
 sample's atom advantages are shifted by its group's mean credit and divided by the spread of
@@ -56,6 +64,7 @@ from torch import Tensor
 
 AtomNorm = Literal["atom", "pooled"]
 CreditNorm = Literal["none", "group"]
+GateOn = Literal["credit", "score"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,19 @@ def gate_by_parents(
     absent = (scores < present_threshold).to(torch.float32)  # [B, G, A_p]
     n_absent = absent @ parents.transpose(1, 2).to(torch.float32)  # [B, G, A]
     return torch.where(n_absent > 0, torch.zeros_like(advantages), advantages)
+
+
+def gate_scores(scores: Tensor, parents: Tensor, present_threshold: float = 0.5) -> Tensor:
+    """DSG's rule on scores (module docstring): a child's score set to 0 where a direct parent,
+    itself gated, scored < present_threshold. scores [B, G, A]; parents [B, A, A] bool
+    (parents[b, a, p] = p is a parent of a) -> [B, G, A]."""
+    gated = scores
+    for _ in range(scores.shape[-1]):  # a chain of A atoms needs at most A rounds
+        nxt = gate_by_parents(scores, gated, parents, present_threshold)
+        if torch.equal(nxt, gated):
+            break
+        gated = nxt
+    return gated
 
 
 def group_normalise_credit(advantages: Tensor, atom_mask: Tensor,

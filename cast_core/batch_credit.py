@@ -4,7 +4,9 @@ Composes `cast_core.advantage` and `cast_core.pixel_map` for one batch of B prom
 sample n = b G + g, prompt-major as the rollout stores them):
 1. atom advantages: group z-scores of the atom scores (`atom_advantages`, `atom_norm`), then,
    with `gate_by_parents`, a child atom's credit zeroed in the samples where a direct parent
-   scored < 0.5 (`gate_by_parents`); with `credit_norm` "group", each sample's credits then
+   scored < 0.5 (`gate_by_parents`), or with `gate_on` "score" the child's score set to 0
+   there before the z-score (`gate_scores`; the scalar reward stays ungated); with
+   `credit_norm` "group", each sample's credits then
    shifted and scaled so that its mean atom credit is the group z-score of those means
    (`group_normalise_credit`);
 2. the scalar reward of each sample (`atom_reward`) and its Flow-GRPO advantage
@@ -28,10 +30,12 @@ from cast_core.advantage import (
     AtomAdvantages,
     AtomNorm,
     CreditNorm,
+    GateOn,
     ScalarAdvantages,
     atom_advantages,
     atom_reward,
     gate_by_parents,
+    gate_scores,
     group_normalise_credit,
     scalar_advantages,
 )
@@ -95,12 +99,14 @@ class CreditConfig:
     spatial_mix: float = 1.0
     heatmap_source: HeatmapSource = "own"
     credit_norm: CreditNorm = "none"
+    gate_on: GateOn = "credit"
 
 
 @dataclass(frozen=True)
 class BatchCredit:
     """atoms: the ungated atom advantages with their group statistics ([B, G, A], [B, A]);
-    advantages [B, G, A] after gating and the credit norm; gated [B, G, A] bool, the credits gating zeroed; rewards
+    advantages [B, G, A] after gating and the credit norm; gated [B, G, A] bool, where a
+    parent was absent (the credits gating zeroed, or the scores it set to 0); rewards
     [B, G]; scalar: Flow-GRPO's advantages of them; maps [N, h, w] CAST's clamped pixel map on
     the log-prob grid; atom [N] the no-map credit; type_maps [N, T, h, w] the map's unclamped
     share of each atom type; mass [N] mean |map| at pixel resolution; coverage [N] the mean
@@ -124,11 +130,14 @@ def batch_credit(batch: AtomBatch, config: CreditConfig, grid: tuple[int, int],
     the number of atom types `batch.types` indexes."""
     s, mask, g = batch.scores.double(), batch.mask, batch.group_size
     b, _, a_max, hh, ww = batch.heatmaps.shape
-    adv = atom_advantages(s, mask, config.std_floor, config.atom_norm)
+    on_scores = config.gate_by_parents and config.gate_on == "score"
+    s_credit = gate_scores(s, batch.parents) if on_scores else s  # [B, G, A]
+    adv = atom_advantages(s_credit, mask, config.std_floor, config.atom_norm)
     a, gated = adv.advantages, torch.zeros_like(adv.advantages, dtype=torch.bool)  # [B, G, A]
     if config.gate_by_parents:
-        a = gate_by_parents(adv.advantages, s, batch.parents)
-        gated = gate_by_parents(torch.ones_like(a), s, batch.parents) == 0
+        gated = gate_by_parents(torch.ones_like(a), s_credit, batch.parents) == 0
+        if not on_scores:
+            a = gate_by_parents(adv.advantages, s, batch.parents)
     if config.credit_norm == "group":
         a = group_normalise_credit(a, mask, config.std_floor)
     rewards = atom_reward(s, mask, config.reward)  # [B, G]

@@ -445,3 +445,17 @@ def test_group_normalise_credit_closed_form_tie_and_padding():
     assert (out[1] == 0).all()
     with pytest.raises(ValueError, match="std_floor"):
         group_normalise_credit(adv, mask, std_floor=0.0)
+
+
+def test_gate_scores_fails_every_descendant_of_a_missing_parent():
+    from cast_core.advantage import gate_scores
+
+    # atoms: 0 object, 1 its colour (child of 0), 2 a relation on the colour (child of 1)
+    parents = torch.zeros(1, 3, 3, dtype=torch.bool)
+    parents[0, 1, 0] = parents[0, 2, 1] = True
+    scores = torch.tensor([[[0.9, 0.8, 0.7],     # all present: unchanged
+                            [0.2, 0.8, 0.7],     # object missing: colour and relation fail
+                            [0.9, 0.3, 0.7]]])   # colour wrong: the relation on it fails
+    out = gate_scores(scores, parents)
+    want = torch.tensor([[[0.9, 0.8, 0.7], [0.2, 0.0, 0.0], [0.9, 0.3, 0.0]]])
+    assert torch.equal(out, want)

@@ -137,3 +137,19 @@ def test_group_credit_norm_centres_the_gated_credit_on_zero_with_unit_spread():
     assert torch.allclose(c.mean(1), torch.zeros(2, dtype=torch.float64), atol=1e-6)
     assert torch.allclose(c.std(1, correction=0), torch.ones(2, dtype=torch.float64), atol=1e-6)
     assert torch.equal(normed.gated, plain.gated)
+
+
+def test_score_gating_ranks_a_missing_object_below_a_wrong_count():
+    """Gating the credit leaves a sample whose object is missing only the object's negative
+    credit, so it can outrank a sample that draws the object with the wrong count; gating the
+    score fails the count too, so the missing object ranks last (cast_core.advantage)."""
+    scores = {"p": [[1.0, 1.0], [1.0, 0.0], [0.0, 0.9], [1.0, 1.0]]}  # (object, count)
+    _, batch = atom_batch(_rows(scores), ["p"], G, {("p", "o"): [], ("p", "c"): ["o"]})
+    on_credit = batch_credit(batch, CreditConfig(atom_norm="pooled"), (2, 2), len(ATOM_TYPES))
+    on_score = batch_credit(batch, CreditConfig(atom_norm="pooled", gate_on="score"), (2, 2),
+                            len(ATOM_TYPES))
+    assert on_credit.atom[2] > on_credit.atom[1]  # missing object above the wrong count
+    assert on_score.atom[2] < on_score.atom[1] < on_score.atom[0]
+    assert torch.equal(on_score.gated, on_credit.gated)  # the same samples are gated
+    assert on_score.advantages[0, 2, 1] != 0  # the gated score is z-scored, not zeroed
+    assert torch.equal(on_score.rewards, on_credit.rewards)  # the scalar reward is ungated

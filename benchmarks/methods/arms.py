@@ -72,7 +72,10 @@ CREDIT_FIXES = (("cast-no-map-no-gate", {"advantage.gate_by_parents": False},
                   "times std_g R / sigma_b per prompt)")),
                 ("cast-no-map-group-norm", {"advantage.credit_norm": "group"},
                  ("gated atom credit group-normalised (each sample's mean credit a group "
-                  "z-score, as Flow-GRPO's advantage)")))
+                  "z-score, as Flow-GRPO's advantage)")),
+                ("cast-no-map-score-gate", {"advantage.gate_on": "score"},
+                 ("atom credit gated on the score (a missing parent's children score 0 before "
+                  "the z-score, DSG's rule) instead of zeroing their credit")))
 # ReCAST comparisons: (ReCAST arm, the static arm at the same budgets).
 RECAST_PAIRS = (("recast-equal", "cast"), ("recast-skewed", "static-skewed"))
 # One change at a time: (arm, reference arm, what the arm changes). Each row of the report's

@@ -203,13 +203,15 @@ class AdvantageSection(Section):
     the paper's map, 0 = no projection); `heatmap_source` "own" (each sample's credit through
     its own heatmaps, the paper's) or "group_others" (through the mean of the other samples' of its
     group, which do not depend on the sample's own actions; `cast_core.pixel_map`, issue 17);
-    `credit_norm` "none" (the paper's) or "group" (after gating, each sample's atom credits
+    `gate_on` "credit" (a gated child's advantage set to 0) or "score" (its score set to 0
+    before the z-score, DSG's rule, so a missing object ranks below every way of drawing it;
+    `cast_core.advantage.gate_scores`); `credit_norm` "none" (the paper's) or "group" (after gating, each sample's atom credits
     shifted and scaled so that its mean atom credit is the group z-score of those means, as
     Flow-GRPO's advantage is of the reward: gating otherwise leaves a group's credits summing to
     more than 0; `cast_core.advantage.group_normalise_credit`)."""
 
     hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm", "atom_norm", "spatial_mix",
-                                              "heatmap_source", "credit_norm")
+                                              "heatmap_source", "credit_norm", "gate_on")
 
     kind: Literal["spatial", "scalar", "atom", "scalar_map"]
     gate_by_parents: bool = True
@@ -223,6 +225,7 @@ class AdvantageSection(Section):
     spatial_mix: float = Field(1.0, ge=0.0, le=1.0)
     heatmap_source: Literal["own", "group_others"] = "own"
     credit_norm: Literal["none", "group"] = "none"
+    gate_on: Literal["credit", "score"] = "credit"
 
 
 class TrainSection(Section):
