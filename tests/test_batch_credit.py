@@ -139,16 +139,23 @@ def test_group_credit_norm_centres_the_gated_credit_on_zero_with_unit_spread():
     assert torch.equal(normed.gated, plain.gated)
 
 
-def test_score_gating_ranks_a_missing_object_below_a_wrong_count():
+def test_score_gating_ranks_a_missing_object_below_a_wrong_count_and_colour():
     """Gating the credit leaves a sample whose object is missing only the object's negative
-    credit, so it can outrank a sample that draws the object with the wrong count; gating the
-    score fails the count too, so the missing object ranks last (cast_core.advantage)."""
-    scores = {"p": [[1.0, 1.0], [1.0, 0.0], [0.0, 0.9], [1.0, 1.0]]}  # (object, count)
-    _, batch = atom_batch(_rows(scores), ["p"], G, {("p", "o"): [], ("p", "c"): ["o"]})
+    credit, so it can outrank a sample that draws the object with the wrong count and colour
+    (with pooled z-scores: whenever the children's means sum to more than 1); gating the score
+    fails its children too, so the missing object ranks last (cast_core.advantage)."""
+    scores = torch.tensor([[[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.2, 0.2],
+                            [1.0, 1.0, 1.0]]], dtype=torch.float64)  # (object, count, colour)
+    parents = torch.zeros(1, 3, 3, dtype=torch.bool)
+    parents[0, 1, 0] = parents[0, 2, 0] = True
+    types = torch.tensor([[ATOM_TYPES.index(t) for t in ("object", "count", "attribute")]])
+    batch = AtomBatch(scores, torch.ones(1, G, 3, HW, HW), torch.ones(1, 3, dtype=torch.bool),
+                      types, parents)
     on_credit = batch_credit(batch, CreditConfig(atom_norm="pooled"), (2, 2), len(ATOM_TYPES))
     on_score = batch_credit(batch, CreditConfig(atom_norm="pooled", gate_on="score"), (2, 2),
                             len(ATOM_TYPES))
-    assert on_credit.atom[2] > on_credit.atom[1]  # missing object above the wrong count
+    assert on_credit.rewards[0, 1] > on_credit.rewards[0, 2]  # 1/3 against 0.133
+    assert on_credit.atom[2] > on_credit.atom[1]  # yet the missing object ranks above
     assert on_score.atom[2] < on_score.atom[1] < on_score.atom[0]
     assert torch.equal(on_score.gated, on_credit.gated)  # the same samples are gated
     assert on_score.advantages[0, 2, 1] != 0  # the gated score is z-scored, not zeroed
