@@ -82,10 +82,7 @@ def main() -> None:
 
         times = {"scan": [], "first": [], "second": [], "warm": []}
         for _ in range(args.repeats):
-            parts._cache.clear()
-            parts._combined.clear()
-            parts._read_before.clear()
-            parts._cached_bytes = 0
+            parts.clear_cache()
             times["scan"].append(cpu(scan))
             for label in ("first", "second", "warm"):
                 times[label].append(cpu(lambda: store.stage_records("run-0")))

@@ -56,6 +56,16 @@ _read_before: set[str] = set()  # table dirs this process has read
 _lock = threading.Lock()
 
 
+def clear_cache() -> None:
+    """Forget every cached part and every table read so far (the next read scans again)."""
+    global _cached_bytes
+    with _lock:
+        _cache.clear()
+        _combined.clear()
+        _read_before.clear()
+        _cached_bytes = 0
+
+
 def read_parts(files: Sequence[Path], schema: pa.Schema, filters: Filters) -> pa.Table:
     """The rows of `files` (in order) in the declared `schema` (a column a part lacks is null,
     one it has beyond the schema left out), filtered; small parts come from the cache (module
