@@ -7,15 +7,15 @@ cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected 
 verifier's heatmaps, the map inside each sample's all-dims ratio with Flow-GRPO's clip range) form
 suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
 cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
-cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window - flowgrpo, and
-the `CREDIT_FIXES` against it; the ratio: flowgrpo-per-position, cast-position-ratio; and the
-`FIXES`); suite `recast` adds the ReCAST pairs
+cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window - flowgrpo, and the
+`CREDIT_FIXES` against it, and cast-score-gate, the best of them with the maps; the ratio:
+flowgrpo-per-position, cast-position-ratio; and the `FIXES`); suite `recast` adds the ReCAST pairs
 (recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
 adds the forward-process arms nft (scalar reward) and nft-cast (CAST's map as a per-position
 optimality), which sample with the ODE (`NFT`), at the protocol's lr and the recipe's beta, and the
-same two at the step that overfits one prompt (nft-b01, nft-cast-b01: `NFT_STEP`). The train settings other than the clip range and
-the step size are equal across arms, the step size among the arms of one objective and NFT beta
-(`check_equal_budget`).
+same two at the step that overfits one prompt (nft-b01, nft-cast-b01: `NFT_STEP`). The train
+settings other than the clip range and the step size are equal across arms, the step size among the
+arms of one objective and NFT beta (`check_equal_budget`).
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ ONE_CHANGE = (
     ("cast-no-map-group-norm", "flowgrpo",
      "credit: parent gating alone (group-normalised, otherwise Flow-GRPO's advantage)"),
     ("cast", "flowgrpo", "all of CAST at once (the headline comparison)"),
+    ("cast-score-gate", "cast", "credit: gated on the score (DSG's rule), with the atom maps"),
+    ("cast-score-gate", "flowgrpo", "all of CAST at once, the credit gated on the score"),
 )
 
 
@@ -147,6 +149,8 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
             "atom advantages, constant map, Flow-GRPO's window"),
         *(Arm(name, CAST_RECIPE, {"advantage.kind": "atom", **fixed, **overrides}, about)
           for name, overrides, about in CREDIT_FIXES),
+        Arm("cast-score-gate", CAST_RECIPE, {"advantage.gate_on": "score"},
+            "cast (atom maps, calibrated window) with the credit gated on the score (DSG's rule)"),
         Arm("flowgrpo-per-position", FLOWGRPO_RECIPE,
             {"advantage.kind": "scalar_map", "train.clip_range": cast_clip},
             "scalar reward as a constant map through CAST's per-position ratios and clip"))
