@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/overfit_curve.py --recipe shapes-flowgrpo.toml --seed 0
         [--iterations 24] [--every 6] [--set train.kl_target_nats=0.3 ...] [--out rows.jsonl]
+        [--grids DIR]
 
 Run it from the repository root. It trains the committed recipe on the test's one prompt ("a
 photo of a blue square") with the test's overrides (`tests/test_learning.overfit_recipe`, one
@@ -9,16 +10,20 @@ thread) plus any `--set key=value` (values parsed as JSON, else kept as strings)
 under a temporary folder, through the same stage order as the test (`tasks.stages.iteration`), and evaluates the prompt on 32
 images with noise no rollout used (seed offset 1000) at the base and after every `--every`
 iterations. It prints one JSON line per checkpoint (recipe, seed, overrides, iteration, samples,
-mean atom score, gain over the base; and over the iterations since the last checkpoint the
+mean atom score, gain over the base, the images' high-frequency energy and its relative change
+over the base's, which a collapse to noise textures raises: the methods benchmark flags more than
++25%; and over the iterations since the last checkpoint the
 training diagnostics: lr, update KL in nats a sample and window step, mean clip fraction, mean
-rollouts' object-atom score) and appends it to `--out` when given. Several seeds of one
-footing say whether the test's gain is a margin or a draw.
+rollouts' object-atom score) and appends it to `--out` when given. With `--grids DIR` it copies
+each checkpoint's image grid to DIR/<recipe stem>-s<seed>-it<iteration>.png, to look at. Several
+seeds of one footing say whether the test's gain is a margin or a draw.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -30,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_learning import mean_score, overfit_recipe
 
-from tasks.stages.evaluate import evaluate_checkpoint
+from tasks.stages.evaluate import eval_outputs, evaluate_checkpoint
 from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.store.store import Store
 
@@ -46,6 +51,13 @@ def parse_set(items: list[str]) -> dict:
         except json.JSONDecodeError:
             out[key] = text
     return out
+
+
+def hf_energy(store: Store, recipe, iteration: int) -> float:
+    """The checkpoint's evaluation images' mean high-frequency energy (the evals row's)."""
+    (row,) = store.read_table("evals", {"run_id": recipe.run.name, "iteration": iteration,
+                                        "group_kind": "overall"}).to_pylist()
+    return row["hf_energy"]
 
 
 def train_diagnostics(store: Store, recipe, first: int, last: int) -> dict:
@@ -77,6 +89,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=6)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--grids", type=Path, help="copy each checkpoint's image grid here")
     args = ap.parse_args()
     extra = {"run.seed": args.seed, **parse_set(args.set)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,14 +99,21 @@ def main() -> None:
 
         def report(iteration: int) -> None:
             evaluate_checkpoint(store, recipe, iteration)
+            hf, hf_base = hf_energy(store, recipe, iteration), hf_energy(store, recipe, -1)
             row = {"recipe": args.recipe, "seed": args.seed, "set": extra,
                    "iteration": iteration, "samples": (iteration + 1) * recipe.prompts.group_size,
                    "mean_score": round(mean_score(store, recipe, iteration), 4),
                    "gain": round(mean_score(store, recipe, iteration)
                                  - mean_score(store, recipe, -1), 4),
+                   "hf_energy": round(hf, 5), "hf_change": round(hf / hf_base - 1, 4),
                    "seconds": round(time.perf_counter() - t0, 1), **train_diagnostics(
                        store, recipe, iteration - args.every + 1, iteration)}
             print(json.dumps(row), flush=True)
+            if args.grids:
+                args.grids.mkdir(parents=True, exist_ok=True)
+                (grid,) = eval_outputs(store, recipe, iteration).grids.values()
+                shutil.copyfile(store.resolve(grid), args.grids / (
+                    f"{Path(args.recipe).stem}-s{args.seed}-it{iteration}.png"))
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
