@@ -80,8 +80,9 @@ def bare_iteration(recipe, picks: list[dict], window_row: dict) -> tuple[dict, d
     from cast_core.csg.graph import ATOM_TYPES, SceneGraph
     from cast_core.diagnostics import high_frequency_energy
     from cast_core.lr_schedule import linear_warmup_lr
-    from cast_core.policy import policy_update, update_kl_nats
+    from cast_core.policy import policy_update
     from cast_core.rollout import rollout
+    from cast_core.update_kl import update_kl_nats
     from tasks.stages.compute_advantages import atom_batch, credit_config
     from tasks.stages.models import load_policy, lora_tensors, scorer, set_threads
     from tasks.stages.rollout import decode_uint8, group_seeds, rollout_spec

@@ -86,7 +86,7 @@ class AtomBatch:
 @dataclass(frozen=True)
 class CreditConfig:
     """The recipe's `advantage` section without `kind`
-    (tasks.stages.recipe_sections.AdvantageSection documents each field)."""
+    (tasks.stages.recipe_method.AdvantageSection documents each field)."""
 
     gate_by_parents: bool = True
     global_weight: float = 1.0

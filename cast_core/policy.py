@@ -91,8 +91,7 @@ from cast_core.rollout import Rollout, RolloutSpec, replay_steps
 from cast_core.sampling import encode_conditioning
 from cast_core.sde import block_mean
 
-__all__ = ["AdvantageKind", "PolicyConfig", "UpdateStep", "policy_update", "step_indices",
-           "update_kl_nats"]
+__all__ = ["AdvantageKind", "PolicyConfig", "UpdateStep", "policy_update", "step_indices"]
 
 def _check_advantages(advantages: Tensor, n: int, rollout: Rollout, kind: AdvantageKind) -> None:
     _, k, h, w = rollout.log_probs.shape
@@ -357,53 +356,3 @@ def step_indices(n: int, config: PolicyConfig, shuffle_seed: int | None) -> list
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
         steps.extend(torch.tensor_split(order, config.steps_per_epoch))
     return steps
-
-
-@torch.no_grad()
-def update_kl_nats(
-    backbone,
-    prompts: list[str],
-    rollout: Rollout,
-    spec: RolloutSpec,
-    max_samples: int = 64,
-    micro_batch: int = 16,
-    *,
-    shard: Shard = SOLO,
-    held: Tensor | None = None,
-    split: list[Tensor] | None = None,
-) -> float:
-    """KL(rollout policy || current policy) in nats per sample and window step, summed over the
-    C h w dims (k3 of the summed log-ratio, ``loss.summed_kl``), on the first ``max_samples``
-    samples (prompts: one per sample; the stored log-probs are the rollout policy's).
-    Called after an iteration's training it says how far the iteration moved the policy, which
-    the per-step ``policy_kl_nats`` cannot show for the last (or only) optimizer step.
-    Data parallel (a `shard` of a group): `split` gives every rank's samples (a partition of the
-    N, e.g. their parts of the first inner epoch), `held` the samples whose rows `rollout` holds
-    (sorted, containing this rank's split); each rank replays its split's samples among the
-    first max_samples and the log-probs are gathered in sample order, so every rank returns the
-    single process's figure (to the float rounding of other micro-batches)."""
-    total = len(prompts)
-    n = min(max_samples, total)
-    if n < 1 or micro_batch < 1:
-        raise ValueError(f"need max_samples >= 1 and micro_batch >= 1: got {max_samples}, "
-                         f"{micro_batch}")
-    if shard.world > 1 and split is None:
-        raise ValueError("a data-parallel update_kl_nats needs every rank's `split`")
-    parts = [torch.arange(n)] if shard.world == 1 else [s[s < n] for s in split]
-    mine = parts[shard.rank if shard.world > 1 else 0]
-    rows = held_rows(local_rows(held, total), mine)
-    channels = rollout.latents.shape[2]
-    new = [rollout.log_probs[:0]]
-    for lo in range(0, len(mine), micro_batch):
-        idx = mine[lo:lo + micro_batch].tolist()
-        cond, uncond = encode_conditioning(backbone, [prompts[i] for i in idx],
-                                           spec.guidance_scale)
-        new.append(replay_steps(backbone, cond, uncond,
-                                rollout.select(rows[lo:lo + micro_batch].tolist()),
-                                spec).log_probs)
-    new_lp, old_lp = torch.cat(new), rollout.log_probs[rows.to(rollout.log_probs.device)]
-    if shard.world > 1:
-        sizes = [len(p) for p in parts]
-        order = torch.argsort(torch.cat(parts)).to(new_lp.device)  # rank order -> sample order
-        new_lp, old_lp = gather_rows(new_lp, sizes)[order], gather_rows(old_lp, sizes)[order]
-    return float(summed_kl(new_lp, old_lp, channels).k3)

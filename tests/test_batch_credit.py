@@ -9,7 +9,7 @@ import torch
 from cast_core.batch_credit import AtomBatch, CreditConfig, batch_credit
 from cast_core.csg.graph import ATOM_TYPES
 from tasks.stages.compute_advantages import advantage_rows, atom_batch, credit_config
-from tasks.stages.recipe_sections import AdvantageSection
+from tasks.stages.recipe_method import AdvantageSection
 
 G, HW = 4, 4
 

@@ -13,8 +13,9 @@ from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.data_parallel import SOLO, Shard, local_rows
 from cast_core.lora import add_lora
 from cast_core.nft_update import NftConfig, nft_step_indices, nft_update
-from cast_core.policy import PolicyConfig, policy_update, step_indices, update_kl_nats
+from cast_core.policy import PolicyConfig, policy_update, step_indices
 from cast_core.rollout import RolloutSpec, rollout
+from cast_core.update_kl import update_kl_nats
 from cast_core.window import SdeWindow
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)

@@ -9,8 +9,9 @@ from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.lora import add_lora, reference_mode
 from cast_core.loss import spatial_clipped_loss
 from cast_core.lr_schedule import kl_targeted_lr, linear_warmup_lr
-from cast_core.policy import PolicyConfig, policy_update, update_kl_nats
+from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
+from cast_core.update_kl import update_kl_nats
 from cast_core.window import SdeWindow
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)

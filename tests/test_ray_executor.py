@@ -164,7 +164,7 @@ def _data_parallel(tmp_path_factory, **extra) -> tuple:
 def _solo_update_kl(store: Store, recipe, refs: dict) -> float:
     """`update_kl_nats` of the policy the ranks trained, on the stored rollout, computed by one
     process: what the ranks computed together, each replaying its own samples."""
-    from cast_core.policy import update_kl_nats
+    from cast_core.update_kl import update_kl_nats
     from tasks.stages.policy_state import load_policy_of, policy_for
     from tasks.stages.score_atoms import load_rollout_rows
     from tasks.stages.train_epoch import read_batch

@@ -10,8 +10,8 @@ import torch
 from cast_core.diagnostics import RewardAlarm
 from cast_core.nft_update import NftConfig, NftStep
 from cast_core.policy import UpdateStep
-from tasks.stages.recipe_sections import TrainSection
-from tasks.stages.train_epoch import checkpoint_row, iteration_stats, train_step_rows
+from tasks.stages.recipe_method import TrainSection
+from tasks.stages.train_rows import checkpoint_row, iteration_stats, train_step_rows
 from tasks.stages.train_update import TrainOutcome, pick_advantage
 from tasks.store.records import BlobRef
 from tasks.store.schemas import conform

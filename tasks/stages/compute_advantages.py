@@ -34,7 +34,7 @@ from cast_core.batch_credit import AtomBatch, BatchCredit, CreditConfig, batch_c
 from cast_core.csg.graph import ATOM_TYPES
 from tasks.stages.guard import stage_task
 from tasks.stages.recipe import Recipe
-from tasks.stages.recipe_sections import AdvantageSection
+from tasks.stages.recipe_method import AdvantageSection
 from tasks.stages.score_atoms import load_rollout_rows
 from tasks.store.stage import StageRef, make_key, run_stage
 from tasks.store.store import Store

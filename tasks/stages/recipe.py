@@ -17,9 +17,10 @@ value outside the allowed set, or a float that is not finite (inf or nan, in any
 quantities the pipeline computes from the recipe; the flows print them at start. `Recipe.pinned()`
 gives the fields that change a run's results, to which a run is pinned (`tasks.store.run_pin`).
 
-The sections and their fields are declared in `tasks.stages.recipe_sections`; this module holds
-the whole recipe (the checks across sections, the hashes, the pin, the derived quantities) and
-reading one from TOML with command-line overrides.
+The sections and their fields are declared in `tasks.stages.recipe_sections` and (the method's:
+window, advantage, train, recast) `tasks.stages.recipe_method`; this module holds the whole recipe
+(the checks across sections, the hashes, the pin, the derived quantities) and reading one from
+TOML with command-line overrides.
 """
 
 from __future__ import annotations
@@ -32,20 +33,22 @@ from typing import Any, ClassVar
 
 from pydantic import ValidationError, model_validator
 
-from tasks.stages.recipe_sections import (
+from tasks.stages.recipe_method import (
     AdvantageSection,
+    RecastSection,
+    TrainSection,
+    WindowSection,
+)
+from tasks.stages.recipe_sections import (
     BackboneSection,
     BuilderSection,
     EvalSection,
     PromptsSection,
     RaySection,
-    RecastSection,
     RunSection,
     SamplingSection,
     ScorerSection,
     Section,
-    TrainSection,
-    WindowSection,
 )
 
 

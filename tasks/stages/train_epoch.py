@@ -45,7 +45,8 @@ Read -> compute -> write: the stage body reads the update's inputs (`read_batch`
 steps, advantages) and the iteration's statistics from the stored rows (`iteration_stats`: the
 mean score per atom type, the zero-variance fraction, the alarm), trains the loaded policy
 (`train_policy`) and builds the rows from what came back (`train_step_rows`, `checkpoint_row`).
-`iteration_stats`, `train_step_rows` and `checkpoint_row` are tested on plain inputs. The
+`iteration_stats`, `train_step_rows` and `checkpoint_row` (`tasks.stages.train_rows`) are tested
+on plain inputs. The
 training and its writes (`train_and_write`) take the loaded policy, so the Ray executor runs them
 on resident policy actors (`tasks.stages.ray_workers`), data-parallel across `ray.train_workers`
 of them (`cast_core.data_parallel`: each rank reads the window steps of its own samples only and
@@ -60,7 +61,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,11 +70,9 @@ from safetensors import safe_open
 
 from cast_core.csg.graph import ATOM_TYPES
 from cast_core.data_parallel import SOLO, Shard, same_on_all_ranks
-from cast_core.diagnostics import RewardAlarm, constant_reward_alarm, high_frequency_energy
+from cast_core.diagnostics import high_frequency_energy
 from cast_core.lr_schedule import kl_targeted_lr
-from cast_core.nft_update import NftConfig, NftStep
 from cast_core.pixel_map import step_weighted_maps
-from cast_core.policy import UpdateStep
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
 from tasks.stages.guard import stage_task
@@ -82,9 +80,14 @@ from tasks.stages.models import base_hash, load_optimizer_state, set_threads
 from tasks.stages.policy_state import PolicyState, load_policy_of, policy_for
 from tasks.stages.recast_gains import reward_step_weights
 from tasks.stages.recipe import Recipe
-from tasks.stages.recipe_sections import TrainSection
 from tasks.stages.rollout import rollout_spec
 from tasks.stages.score_atoms import load_graphs, load_rollout_rows
+from tasks.stages.train_rows import (
+    IterationStats,
+    checkpoint_row,
+    iteration_stats,
+    train_step_rows,
+)
 from tasks.stages.train_update import (
     TrainBatch,
     TrainOutcome,
@@ -94,7 +97,6 @@ from tasks.stages.train_update import (
     policy_config,
     train_policy,
 )
-from tasks.store.records import BlobRef
 from tasks.store.stage import StageRef, make_key, run_stage
 from tasks.store.store import Store, tensor_bytes
 
@@ -103,19 +105,6 @@ if TYPE_CHECKING:
 
 STAGE = "train_epoch"
 ROLLOUT_ROWS = ("x0", "latents", "next_latents", "log_probs")  # per sample; t, t_next shared
-
-
-@dataclass(frozen=True)
-class IterationStats:
-    """The iteration's reward statistics, carried by every `train_steps` row and the checkpoint.
-
-    rewards: {"reward_<type>": mean score of the type's atoms over all samples, None when no
-    prompt has one}; zero_variance_fraction: share of (prompt, atom) groups whose G scores tie;
-    alarm: the constant-reward alarm."""
-
-    rewards: dict[str, float | None]
-    zero_variance_fraction: float
-    alarm: RewardAlarm
 
 
 def _logger():
@@ -139,86 +128,6 @@ def iteration_lr(recipe: Recipe, policy: PolicyState) -> float:
     return kl_targeted_lr(tr.lr if policy.lr is None else policy.lr, policy.update_kl_nats,
                           tr.kl_target_nats, max_factor=tr.kl_lr_factor,
                           lr_min=tr.kl_lr_floor * tr.lr, lr_max=tr.kl_lr_ceiling * tr.lr)
-
-
-def iteration_stats(score_rows: list[dict], advantage_rows: list[dict], rewards: list[float],
-                    std_floor: float) -> IterationStats:
-    """The iteration's statistics from `atom_scores` rows (prompt_id, atom_id, atom_type, score),
-    `advantages` rows (prompt_id, atom_id, zero_variance) and the samples' scalar rewards [N]
-    (`advantage_maps.reward`); std_floor: the alarm's tie threshold."""
-    means = {}
-    for kind in ATOM_TYPES:
-        values = [r["score"] for r in score_rows if r["atom_type"] == kind]
-        means[f"reward_{kind}"] = sum(values) / len(values) if values else None
-    groups = {(r["prompt_id"], r["atom_id"]): r["zero_variance"] for r in advantage_rows}
-    types = {(r["prompt_id"], r["atom_id"]): r["atom_type"] for r in score_rows}
-    by_type: dict[str, list[bool]] = {}
-    for key, flag in sorted(groups.items()):
-        by_type.setdefault(types[key], []).append(flag)
-    alarm = constant_reward_alarm({k: torch.tensor(v) for k, v in by_type.items()},
-                                  torch.tensor(rewards, dtype=torch.float64), std_floor)
-    return IterationStats(means, sum(groups.values()) / max(1, len(groups)), alarm)
-
-
-def _step_row(u: UpdateStep) -> dict:
-    """The train_steps columns of one UpdateStep (diagnostics null when it was skipped)."""
-    def kept(value):
-        return None if u.skipped else value
-
-    return {"inner_epoch": u.epoch, "samples": u.samples, "loss": kept(u.loss),
-            "clip_fraction": kept(u.clip_fraction), "ratio_mean": kept(u.ratio_mean),
-            "ratio_std": kept(u.ratio_std), "ratio_k3": kept(u.ratio_k3),
-            "policy_kl_nats": kept(u.policy_kl_nats),
-            "policy_kl_k1_nats": kept(u.policy_kl_k1_nats), "ref_kl_nats": u.ref_kl_nats,
-            "ref_kl_mean_dim": u.ref_kl_mean_dim, "grad_norm": kept(u.grad_norm),
-            "adv_mass": u.adv_mass, "skipped": u.skipped, "skip_reason": u.skip_reason,
-            "lr": u.lr,
-            "ratio_mean_per_step": kept(list(u.ratio_mean_per_step)),
-            "clip_fraction_per_step": kept(list(u.clip_fraction_per_step)),
-            "objective": "sde", "positive_share": None, "nft_loss_by_t_json": None}
-
-
-def _nft_step_row(u: NftStep, config: NftConfig, adv_mass: float) -> dict:
-    """The train_steps columns of one NftStep: no ratio, clip or KL (no likelihoods)."""
-    width = (config.t_max - config.t_min) / config.t_buckets
-    bins = [[round(config.t_min + k * width, 6), round(config.t_min + (k + 1) * width, 6)]
-            for k in range(config.t_buckets)]
-    none = dict.fromkeys(("clip_fraction", "ratio_mean", "ratio_std", "ratio_k3",
-                          "policy_kl_nats", "policy_kl_k1_nats", "ref_kl_nats",
-                          "ref_kl_mean_dim", "ratio_mean_per_step", "clip_fraction_per_step"))
-    return {**none, "inner_epoch": u.epoch, "samples": u.samples, "loss": u.loss,
-            "grad_norm": u.grad_norm, "adv_mass": adv_mass, "skipped": u.skipped,
-            "skip_reason": u.skip_reason, "lr": u.lr, "objective": "nft",
-            "positive_share": u.positive_share,
-            "nft_loss_by_t_json": None if u.skipped else json.dumps(
-                {"t_bins": bins, "loss": list(u.loss_by_t)})}
-
-
-def train_step_rows(keys: dict, updates: Sequence[UpdateStep | NftStep], first_step: int,
-                    shared: dict, nft: NftConfig | None = None,
-                    adv_mass: float = 0.0) -> list[dict]:
-    """One `train_steps` row per optimizer step, `updates[j]` as run step first_step + j: the
-    step's own columns (an NFT step's with `nft`, its config, and adv_mass, the mean |advantage|
-    of the samples), then `shared`, the columns every row of the iteration carries; keys =
-    run_id and iteration."""
-    return [{**keys, "step": first_step + j,
-             **(_step_row(u) if nft is None else _nft_step_row(u, nft, adv_mass)), **shared}
-            for j, u in enumerate(updates)]
-
-
-def checkpoint_row(keys: dict, lora: BlobRef, optimizer: BlobRef, base: str,
-                   train: TrainSection, outcome: TrainOutcome, hf_energy: float,
-                   alarm: RewardAlarm, lr: float) -> dict:
-    """The `checkpoints` row of the trained policy: its blobs, base and adapter shape, and the
-    iteration's diagnostics (hf_energy: the rollout images' mean high-frequency energy; lr: the
-    iteration's lr before the warm-up); keys = run_id and iteration."""
-    return {**keys, "policy_hash": lora.sha256, "lora_path": lora.path,
-            "optimizer_path": optimizer.path, "optimizer_hash": optimizer.sha256,
-            "base_hash": base, "lora_rank": train.lora_rank, "lora_alpha": train.lora_alpha,
-            "optimizer_steps": outcome.optimizer_steps,
-            "param_change_norm": outcome.param_change_norm,
-            "update_kl_nats": outcome.update_kl_nats, "rollout_hf_energy": hf_energy,
-            "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason, "lr": lr}
 
 
 def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None, lr: float):

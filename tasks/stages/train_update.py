@@ -5,7 +5,7 @@ one iteration's optimizer steps (`cast_core.policy.policy_update`, or
 `cast_core.nft_update.nft_update` with `train.objective = "nft"`) under the warm-up
 (`cast_core.lr_schedule.linear_warmup_lr`), refuses weights that came out non-finite
 (`NonFiniteWeights`) and measures how far the update moved the policy
-(`cast_core.policy.update_kl_nats`, `cast_core.diagnostics.param_change_norm`). Nothing here
+(`cast_core.update_kl.update_kl_nats`, `cast_core.diagnostics.param_change_norm`). Nothing here
 reads or writes the store; the stage module says what the update's results become.
 """
 
@@ -22,14 +22,9 @@ from cast_core.data_parallel import SOLO, Shard
 from cast_core.diagnostics import param_change_norm
 from cast_core.lr_schedule import linear_warmup_lr
 from cast_core.nft_update import NftConfig, NftStep, nft_step_indices, nft_update
-from cast_core.policy import (
-    PolicyConfig,
-    UpdateStep,
-    policy_update,
-    step_indices,
-    update_kl_nats,
-)
+from cast_core.policy import PolicyConfig, UpdateStep, policy_update, step_indices
 from cast_core.rollout import Rollout, RolloutSpec
+from cast_core.update_kl import update_kl_nats
 from tasks.stages.models import lora_tensors, optimizer_tensors
 from tasks.stages.recipe import Recipe
 from tasks.store.stage import StageRefused, derive_seed
