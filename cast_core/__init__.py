@@ -3,10 +3,10 @@
 - `cast_core/*.py` (top level): the maths and the training loop pieces: SDE steps, advantages,
   losses, windows and their calibration, ReCAST (`credit`, `recast_gains`), NFT, rollouts, the LoRA
   policy update (`policy`, its adapter `lora`, its lr schedules `lr_schedule`, how far it moved
-  the sampler `update_kl`), diagnostics. May
-  import torch, numpy, peft (`lora`), `cast_core.csg`, and one another; `clip_embedder` (with
-  `hub_snapshot`) also loads CLIP through transformers and huggingface_hub. Backbones and scorers are passed in as objects (duck-typed against
-  `cast_core.backbones.base.Backbone` and the scorer call), never imported.
+  the sampler `update_kl`), diagnostics. May import torch, numpy, peft (`lora`),
+  `cast_core.csg`, and one another; `clip_embedder` (with `hub_snapshot`) also loads CLIP through
+  transformers and huggingface_hub. Backbones and scorers are passed in as objects (duck-typed
+  against `cast_core.backbones.base.Backbone` and the scorer call), never imported.
 - `cast_core/csg/`: Causal Scene Graphs and their builders; imports no other layer.
 - `cast_core/shapes/`: the embedded shapes world; may import the top level and `csg`.
 - `cast_core/backbones/`: adapters of the model families; may import the top level, `csg`, and
