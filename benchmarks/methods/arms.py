@@ -6,7 +6,7 @@ scalar reward = mean atom score, group z-score, hand-set window [0, 3), all-dims
 cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected through the
 verifier's heatmaps, the map inside each sample's all-dims ratio with Flow-GRPO's clip range) form
 suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
-cast-fixed-window, flowgrpo-calibrated, cast-late-window; map: cast-no-map,
+cast-fixed-window, flowgrpo-calibrated, cast-late-window, flowgrpo-late-window; map: cast-no-map,
 cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window - flowgrpo, and the
 `CREDIT_FIXES` against it, and cast-score-gate, the best of them with the maps; the ratio:
 flowgrpo-per-position, cast-position-ratio; and the `FIXES`); suite `recast` adds the ReCAST pairs
@@ -85,6 +85,9 @@ ONE_CHANGE = (
     ("flowgrpo-calibrated", "flowgrpo", "window: calibrated, not hand-set (scalar reward)"),
     ("cast", "cast-fixed-window", "window: calibrated, not hand-set (atom maps)"),
     ("cast-late-window", "cast-fixed-window", "window: fixed [6, 9), not [0, 3) (atom maps)"),
+    ("flowgrpo-late-window", "flowgrpo", "window: fixed [6, 9), not [0, 3) (scalar reward)"),
+    ("cast-late-window", "flowgrpo-late-window",
+     "all of CAST's credit (atom maps) against the scalar reward, both on the late window [6, 9)"),
     ("flowgrpo-per-position", "flowgrpo",
      "loss: per-position ratios (CAST's clip range) instead of the all-dims ratio (scalar reward)"),
     ("cast-no-map-fixed-window", "flowgrpo",
@@ -143,6 +146,8 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
         Arm("cast-late-window", CAST_RECIPE, LATE_WINDOW,
             "atom maps, fixed late window (sigma 0.4-0.2, where ReCAST's gains peak)"),
         *(Arm(name, CAST_RECIPE, overrides, about) for name, overrides, about in FIXES),
+        Arm("flowgrpo-late-window", FLOWGRPO_RECIPE, LATE_WINDOW,
+            "scalar reward, fixed late window (sigma 0.4-0.2, cast-late-window's)"),
         Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
             "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
         Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
