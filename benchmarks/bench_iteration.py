@@ -53,8 +53,7 @@ from ray_arm import TARGET_RAY, executor_arms, executor_lines, ray_ratio
 from tasks.stages.iteration import RUN_STAGES
 
 TARGET_FLOW_S = 45.0  # a default iteration (16 prompts x 8 samples) finishes in <= ~45 s wall
-TARGET_OVERHEAD = 0.05  # orchestration + store overhead: flow / bare <= 1.05 (the goal since the
-#                         orchestration work of 2026-12; it was 10% before)
+TARGET_OVERHEAD = 0.05  # orchestration + store overhead: flow / bare <= 1.05 (10% before 2026-12)
 TARGET_RERUN = 0.10  # a finished iteration re-runs in <= 10% of its first run
 ITERATION_STAGES = ("next_iteration", "rollout", "score_atoms", "compute_advantages",
                     "train_epoch", "report")
