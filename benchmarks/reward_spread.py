@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("settings", nargs="+", help="NOISE:BLOCK:START:END, e.g. 0.7:4:0:3")
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--guidance", type=float, default=CFG,
+                    help=f"CFG scale of the rollouts (default {CFG}; the recipes train at 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     backbone = ShapesBackbone.from_pretrained(str(BASE)).eval()
@@ -45,7 +47,7 @@ def main() -> None:
     graphs = [graph_from_geneval(r) for r in pool for _ in range(g)]
     for setting in args.settings:
         noise, block, w0, w1 = setting.split(":")
-        spec = RolloutSpec(STEPS, CFG, float(noise), "flow_sde", SdeWindow(int(w0), int(w1)),
+        spec = RolloutSpec(STEPS, args.guidance, float(noise), "flow_sde", SdeWindow(int(w0), int(w1)),
                            noise_block=int(block))
         batches = []
         for m in range(args.batches):

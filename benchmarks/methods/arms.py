@@ -6,8 +6,9 @@ scalar reward = mean atom score, group z-score, hand-set window [0, 3), all-dims
 cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected through the
 verifier's heatmaps, the map inside each sample's all-dims ratio with Flow-GRPO's clip range) form
 suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
-cast-fixed-window, flowgrpo-calibrated, cast-late-window, flowgrpo-late-window; map: cast-no-map,
-cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window - flowgrpo, and the
+cast-fixed-window, flowgrpo-calibrated, the late- and mid-window arms of both methods; map:
+cast-no-map, cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window -
+flowgrpo, and the
 `CREDIT_FIXES` against it, and cast-score-gate, the best of them with the maps; the ratio:
 flowgrpo-per-position, cast-position-ratio; and the `FIXES`); suite `recast` adds the ReCAST pairs
 (recast-equal against cast, recast-skewed against static-skewed at budgets `SKEWED`); suite `nft`
@@ -48,6 +49,10 @@ SKEWED = {"object": 1.0, "count": 2.0, "attribute": 1.0, "relation": 2.0}
 # Window ablation: the steps where the atom types become decidable on the base model (ReCAST's
 # gains peak at sigma 0.4-0.2, i.e. steps 6-8 of 10), instead of the calibrated [0, 3) / [1, 4).
 LATE_WINDOW = {"window.mode": "fixed", "window.start": 6, "window.size": 3}
+# Window ablation between the two: at CFG 1 the window [3, 6) keeps the within-group reward
+# spread of [0, 3) (std 0.146 against 0.141) where [6, 9) halves it (0.074), and its samples
+# score above the ODE's (0.425 against 0.394); `benchmarks/reward_spread.py --guidance 1`.
+MID_WINDOW = {"window.mode": "fixed", "window.start": 3, "window.size": 3}
 # Fixes to try when CAST does not win (each one change to the cast arm).
 FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
           "cast with per-atom z-scores (the paper's) instead of the pooled atom spread"),
@@ -88,6 +93,9 @@ ONE_CHANGE = (
     ("flowgrpo-late-window", "flowgrpo", "window: fixed [6, 9), not [0, 3) (scalar reward)"),
     ("cast-late-window", "flowgrpo-late-window",
      "all of CAST's credit (atom maps) against the scalar reward, both on the late window [6, 9)"),
+    ("flowgrpo-mid-window", "flowgrpo", "window: fixed [3, 6), not [0, 3) (scalar reward)"),
+    ("cast-mid-window", "flowgrpo-mid-window",
+     "all of CAST's credit (atom maps) against the scalar reward, both on the window [3, 6)"),
     ("flowgrpo-per-position", "flowgrpo",
      "loss: per-position ratios (CAST's clip range) instead of the all-dims ratio (scalar reward)"),
     ("cast-no-map-fixed-window", "flowgrpo",
@@ -148,6 +156,11 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
         *(Arm(name, CAST_RECIPE, overrides, about) for name, overrides, about in FIXES),
         Arm("flowgrpo-late-window", FLOWGRPO_RECIPE, LATE_WINDOW,
             "scalar reward, fixed late window (sigma 0.4-0.2, cast-late-window's)"),
+        Arm("flowgrpo-mid-window", FLOWGRPO_RECIPE, MID_WINDOW,
+            "scalar reward, fixed window [3, 6) (the reward spread of [0, 3), samples nearer "
+            "the ODE's)"),
+        Arm("cast-mid-window", CAST_RECIPE, MID_WINDOW,
+            "atom maps, fixed window [3, 6) (flowgrpo-mid-window's)"),
         Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
             "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
         Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
