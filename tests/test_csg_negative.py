@@ -211,6 +211,10 @@ NEGATIVE = [
     ("a rainbow umbrella over a chair", "'rainbow' in 'a rainbow umbrella' may be its color or its pattern"),
     ("a crumpled paper ball", "'paper ball' in 'a crumpled paper ball' may be one noun"),
     ("a dim candle", "['dim'] before the noun 'candle'"),
+    # twelfth round: words; "they" after two noun phrases of one; grounds under the sky; places
+    ("a curly haired shaggy dog", "gives an attribute kind twice: ['shaggy']"),
+    ("a striped polka dot dog", "gives an attribute kind twice: ['polka dot']"),
+    ("a haired dog", "['haired'] before the noun 'dog'"),
 ]
 
 

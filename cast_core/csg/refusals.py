@@ -123,11 +123,14 @@ def no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None,
         return (f"{head!r} in {text!r} is an attribute ({ATTRIBUTE_KIND[head]}), not a noun; "
                 f"name the object after it")
     kinds, unknown, extra = {}, [], []
-    for i, (word, after) in enumerate(zip(before, [*before[1:], head])):
-        if word == "and" and joins_colors(rest, i):
-            continue
+    afters = [*before[1:], head]
+    pairs = [i for i in range(len(before) - 1) if f"{before[i]} {before[i + 1]}" in ATTRIBUTE_KIND]
+    for i, (word, after) in enumerate(zip(before, afters)):
+        if word == "and" and joins_colors(rest, i) or i - 1 in pairs:
+            continue  # "black and white"; the second word of a two-word value ("curly haired")
         colored = (word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
                    or hyphenated_colors(word))
+        word = f"{word} {after}" if i in pairs else word
         kind = ATTRIBUTE_KIND.get(word, "color" if colored else None)
         if kind is None:
             unknown.append(word)
