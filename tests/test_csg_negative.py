@@ -215,6 +215,10 @@ NEGATIVE = [
     ("a curly haired shaggy dog", "gives an attribute kind twice: ['shaggy']"),
     ("a striped polka dot dog", "gives an attribute kind twice: ['polka dot']"),
     ("a haired dog", "['haired'] before the noun 'dog'"),
+    ("a cat on a mat next to a dog; they are brown",
+     "'they' names no noun phrase of two or more, or a list of noun phrases (or the only two"),
+    ("a pair of gloves next to a hat; they are red", "'they' names no noun phrase of two or more"),
+    ("a lamp next to a clock; it is old", "'it' could name any of ['1 lamp', '1 clock']"),
 ]
 
 

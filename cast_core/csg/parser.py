@@ -38,7 +38,8 @@ of a predication before any a/an or count noun phrase ("the cat is black"). "A a
 other" (near, close to) is one edge from A to B; one more relation after it places both ("a dog
 and a cat near each other on a rug"). A predication on a pronoun ("it is red", "they are
 both brown", "each of them empty") names the one noun phrase of that number, or the one list,
-written before ("they are all" among several: the one that holds every other) (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
+written before ("they are all" among several: the one that holds every other), or "they" the only
+two noun phrases of one ("a dog next to a cat; they are both sleeping") (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
 a/an ("a dog with its red ball"), "a horse's back" (a part) as its owner, and a mass noun after a
 relation needs no article ("a tiger lying in tall grass"). Back-references and predications:
 `cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication
