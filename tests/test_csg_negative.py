@@ -219,6 +219,12 @@ NEGATIVE = [
      "'they' names no noun phrase of two or more, or a list of noun phrases (or the only two"),
     ("a pair of gloves next to a hat; they are red", "'they' names no noun phrase of two or more"),
     ("a lamp next to a clock; it is old", "'it' could name any of ['1 lamp', '1 clock']"),
+    ("a surfer on a wave next to a boat", "a chain goes through 'a wave', a ground or scene"),
+    ("a cow on a hill above a river", "a chain goes through 'a hill', a ground or scene"),
+    ("a kite on a hill under a blue sky next to a tree",
+     "a chain goes through 'a blue sky', a ground or scene"),
+    ("a dog next to a cat, and a cow on a hill under a gray sky",
+     "'a cow' after 'next to' and 'and' is followed by 'on a hill', a ground or scene"),
 ]
 
 

@@ -16,7 +16,8 @@ starts a new clause; a list before the first relation gives each listed noun phr
 ("a cat and a dog on a sofa": both are on it); in a chain ("A on B next to C") the second relation
 places the noun phrase it follows (B), or the subject (A) after "with" and after "in" a garment
 ("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
-the container ("a cat in a basket on a sofa"). A chain whose later relation is "with" ("a girl on
+the container ("a cat in a basket on a sofa"); after a ground, "under" the sky, the sun, the moon
+or the stars places the subject ("a cow on a hill under a gray sky"). A chain whose later relation is "with" ("a girl on
 a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
 woman with a dog": the dog is the woman's) or the relation before it is one of `WITH_AFTER`
 ("a boat near a dock with two buoys": the dock's), or whose first relation is "in" something neither a
@@ -39,6 +40,7 @@ from cast_core.csg.vocab import (
     RELATION_FORMS,
     RELATION_PHRASES,
     SCENE_GROUNDS,
+    SKY_OBJECTS,
     STATES_BEFORE_NOUN_ONLY,
     singularize,
 )
@@ -281,8 +283,13 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
     ("a book on a table next to a lamp": the table), or A after "with" ("a girl with a kite next
     to a tree": the girl), after "in" a garment (wearing: "a girl in a raincoat next to a tree")
     and after "in"/"on" the scene (`is_scene`: "a fox in the snow next to a tree": the fox).
-    ValueError where the lists read it both ways."""
+    ValueError where the lists read it both ways. "under"/"below" the sky, the sun, the moon or
+    the stars after a ground places the subject ("a cow on a hill under a gray sky": the cow is
+    under it; `sky_objects`)."""
     scene = relation.canonical in ("in", "on") and is_scene(spans[k])
+    sky = (op.canonical == "below" and setting(spans[k]) and bool(spans[k + 1])
+           and singularize(spans[k + 1][-1]) in SKY_OBJECTS)
+    scene = scene or sky
     if op.canonical == "with" and scene:
         return subjects
     if op.canonical == "with":

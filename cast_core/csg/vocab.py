@@ -54,6 +54,8 @@ SCENE_GROUNDS: frozenset[str] = frozenset(_DATA["scene_grounds"])
 # After "in" in a chain: a garment means wearing ("a girl in a yellow raincoat next to a tree": the
 # girl is next to it), a container containment ("a cat in a basket on a sofa": the basket is on it).
 GARMENTS: frozenset[str] = frozenset(_DATA["garments"])
+# "under a gray sky" after a ground in a chain places the subject (`sky_objects`: twelfth round).
+SKY_OBJECTS: frozenset[str] = frozenset(_DATA["sky_objects"])
 CONTAINERS: frozenset[str] = frozenset(_DATA["containers"])
 # Mass nouns, which a relation may take without an article ("a tiger lying in tall grass"): one.
 MASS_NOUNS: frozenset[str] = frozenset(_DATA["mass_nouns"])
