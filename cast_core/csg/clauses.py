@@ -17,7 +17,9 @@ starts a new clause; a list before the first relation gives each listed noun phr
 places the noun phrase it follows (B), or the subject (A) after "with" and after "in" a garment
 ("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
 the container ("a cat in a basket on a sofa"); after a ground, "under" the sky, the sun, the moon
-or the stars places the subject ("a cow on a hill under a gray sky"). A chain whose later relation is "with" ("a girl on
+or the stars places the subject ("a cow on a hill under a gray sky"). A place form ("in the middle
+of", "in the corner of") is "on" or "in" by its object (`cast_core.csg.places`), and a chain that
+goes on after one raises. A chain whose later relation is "with" ("a girl on
 a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
 woman with a dog": the dog is the woman's) or the relation before it is one of `WITH_AFTER`
 ("a boat near a dock with two buoys": the dock's), or whose first relation is "in" something neither a
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
+from cast_core.csg.places import is_place, place_relation
 from cast_core.csg.vocab import (
     ATTRIBUTE_KIND,
     CONTAINERS,
@@ -112,8 +115,19 @@ def split_statements(body: str) -> list[Statement]:
         if not piece:
             raise ValueError("it has an empty statement (';' or '.' at the start or twice in a "
                              "row)")
-        statements += _cut_before_predications(*split_items(piece))
+        spans, ops = split_items(piece)
+        statements += _cut_before_predications(spans, _placed(spans, ops))
     return statements
+
+
+def _placed(spans: list[list[str]], ops: list[str | Relation]) -> list[str | Relation]:
+    """`ops` with each place form ("in the middle of") read as "on" or "in" by its object
+    (`cast_core.csg.places`)."""
+    placed: list[str | Relation] = []
+    for k, op in enumerate(ops):
+        canonical = place_relation(op.form, spans[k + 1]) if isinstance(op, Relation) else None
+        placed.append(op if canonical is None else Relation(canonical, op.form, op.also))
+    return placed
 
 
 def is_predication(span: list[str]) -> bool:
@@ -283,9 +297,16 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
     ("a book on a table next to a lamp": the table), or A after "with" ("a girl with a kite next
     to a tree": the girl), after "in" a garment (wearing: "a girl in a raincoat next to a tree")
     and after "in"/"on" the scene (`is_scene`: "a fox in the snow next to a tree": the fox).
-    ValueError where the lists read it both ways. "under"/"below" the sky, the sun, the moon or
+    ValueError where the lists read it both ways, and after a place ("a cat in the corner of a
+    room next to a plant": the cat or the corner?). "under"/"below" the sky, the sun, the moon or
     the stars after a ground places the subject ("a cow on a hill under a gray sky": the cow is
     under it; `sky_objects`)."""
+    if is_place(relation.form):
+        place = f"{relation.form} {' '.join(spans[k])}"
+        raise ValueError(f"a chain goes on with {op.form!r} after {place!r}, a place inside a "
+                         f"noun phrase: {op.form!r} may place {' '.join(spans[k])!r} or the noun "
+                         "phrase before it; write one clause per relation ('... and "
+                         f"{op.form} ...')")
     scene = relation.canonical in ("in", "on") and is_scene(spans[k])
     sky = (op.canonical == "below" and setting(spans[k]) and bool(spans[k + 1])
            and singularize(spans[k + 1][-1]) in SKY_OBJECTS)

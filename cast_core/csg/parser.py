@@ -27,7 +27,10 @@ belongs to the subject ("a girl with a kite next to a tree": the girl), and afte
 the scene (`scene_grounds` with "the" or bare: "a fox in the snow next to a tree", "a deer in tall
 grass": the subject; in a later clause refused); after "in" a container (`containers`: "a cat in a
 basket on a sofa") it places the container; after a ground (`settings`), "under" the sky, sun,
-moon or stars places the subject ("a cow on a hill under a gray sky"). "with" later in
+moon or stars places the subject ("a cow on a hill under a gray sky"). "in the middle of", "in the
+center of", "in the corner of" read as "on" a surface ("a bowl in the middle of a table") and "in"
+an area ("a statue in the middle of a garden") (`cast_core.csg.places`); a chain after one is
+refused. "with" later in
 a chain belongs to the noun phrase before it only in "A with B rel C with D". "between" takes one noun
 phrase of two or more ("a lamp between two chairs") or two of one ("a lamp between a bed and a
 desk": a "between" edge to each, both asking "Is the lamp between the bed and the desk?"). A
