@@ -21,7 +21,7 @@ Sets:
   also used its refusals: its figure after that round is not a held-out one) and
   tests/data/compositional_heldout11.jsonl (372 prompts written before the eleventh round, which
   also used its refusals) and tests/data/compositional_heldout12.jsonl (380 prompts written before
-  the twelfth round), each with its
+  the twelfth round, which also used its refusals), each with its
   intended graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline
   grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;

@@ -283,6 +283,7 @@ LABEL_DIFFERENCES = {
     "compositional_heldout9.jsonl": [],
     "compositional_heldout10.jsonl": ["an orange fox in front of a dark forest"],
     "compositional_heldout11.jsonl": ["a torn poster above a dusty piano"],
+    "compositional_heldout12.jsonl": [],
 }
 
 
