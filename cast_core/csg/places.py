@@ -5,10 +5,12 @@ corner of a bedroom"), as lists 4, 5 and 8 to 12 write them (lists 6 and 7 wrote
 its own on lines marked "refuse"). The object's head word decides, from two closed classes in the
 vocabulary file (`place_surfaces`, `place_areas`); any other object ("in the middle of a crowd")
 is refused by name, and so is a chain that goes on after a place ("a cat in the corner of a room
-next to a plant": the cat or the room?; `cast_core.csg.clauses`). Other places inside a noun phrase ("the bottom of", "the foot of", "the back
-of") stay refused (`cast_core.csg.refusals`)."""
+next to a plant": the cat or the room?; `cast_core.csg.clauses`). Other places inside a noun
+phrase ("the bottom of", "the foot of", "the back of") stay refused (`cast_core.csg.refusals`)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from cast_core.csg.vocab import PLACE_AREAS, PLACE_SURFACES, singularize
 
@@ -40,3 +42,13 @@ def place_relation(form: str, span: list[str]) -> str | None:
                      f"phrase: on a surface it reads 'on' ({sorted(PLACE_SURFACES)}), in an area "
                      f"'in' ({sorted(PLACE_AREAS)}), and {said!r} is neither; write the relation "
                      "itself ('in a field', 'on a table')")
+
+
+def read_places(spans: list[list[str]], ops: list) -> list:
+    """A clause's `ops` (separators and `cast_core.csg.clauses.Relation`s between its `spans`)
+    with each place form ("in the middle of") read as "on" or "in" by its object."""
+    placed = []
+    for k, op in enumerate(ops):
+        canonical = None if isinstance(op, str) else place_relation(op.form, spans[k + 1])
+        placed.append(op if canonical is None else replace(op, canonical=canonical))
+    return placed
