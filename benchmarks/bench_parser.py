@@ -20,7 +20,8 @@ Sets:
   tests/data/compositional_heldout10.jsonl (352 prompts written before the tenth round, which
   also used its refusals: its figure after that round is not a held-out one) and
   tests/data/compositional_heldout11.jsonl (372 prompts written before the eleventh round, which
-  also used its refusals), each with its
+  also used its refusals) and tests/data/compositional_heldout12.jsonl (380 prompts written before
+  the twelfth round, which also used its refusals), each with its
   intended graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline
   grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
@@ -65,7 +66,7 @@ HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout5.jsonl", "compositional_heldout6.jsonl",
             "compositional_heldout7.jsonl", "compositional_heldout8.jsonl",
             "compositional_heldout9.jsonl", "compositional_heldout10.jsonl",
-            "compositional_heldout11.jsonl")
+            "compositional_heldout11.jsonl", "compositional_heldout12.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:

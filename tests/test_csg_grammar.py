@@ -250,6 +250,10 @@ def test_prompt_length_and_atom_limits():
 # table write "dark" alone as a colour ("a dark lake", "a dark forest"), as the parser reads it.
 # The eleventh list writes "a dusty piano" as the piano's state; nine lines of lists 2 to 10 write
 # "dusty" as texture, as the vocabulary does.
+# Since the twelfth round "in the middle of", "in the corner of" read as "on" a surface and "in"
+# an area, as lists 4, 5 and 8 to 12 write them (21 lines); the sixth and seventh lists write them
+# as relations of their own on three lines marked "refuse" ("in the middle of", "in the corner
+# of"), as the first list names "inside" a relation of its own.
 LABEL_DIFFERENCES = {
     "compositional_heldout.jsonl": ["six yellow rubber ducks in front of a bathtub",
                                     "a pair of skis",
@@ -271,12 +275,15 @@ LABEL_DIFFERENCES = {
                                      "a chessboard with two chess pieces on it",
                                      "a wooden table with four wooden chairs around it"],
     "compositional_heldout5.jsonl": [],
-    "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg"],
-    "compositional_heldout7.jsonl": [],
+    "compositional_heldout6.jsonl": ["a cracked egg to the left of a whole egg",
+                                     "a tree in the middle of a field"],
+    "compositional_heldout7.jsonl": ["a tree in the middle of a lake",
+                                     "a lamp in the corner of a room"],
     "compositional_heldout8.jsonl": [],
     "compositional_heldout9.jsonl": [],
     "compositional_heldout10.jsonl": ["an orange fox in front of a dark forest"],
     "compositional_heldout11.jsonl": ["a torn poster above a dusty piano"],
+    "compositional_heldout12.jsonl": [],
 }
 
 

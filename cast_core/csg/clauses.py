@@ -16,13 +16,15 @@ starts a new clause; a list before the first relation gives each listed noun phr
 ("a cat and a dog on a sofa": both are on it); in a chain ("A on B next to C") the second relation
 places the noun phrase it follows (B), or the subject (A) after "with" and after "in" a garment
 ("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
-the container ("a cat in a basket on a sofa"). A chain whose later relation is "with" ("a girl on
-a bench with a dog"), unless the subject has a "with" too ("a man with an umbrella next to a
-woman with a dog": the dog is the woman's) or the relation before it is one of `WITH_AFTER`
-("a boat near a dock with two buoys": the dock's), or whose first relation is "in" something neither a
-garment nor a container, "with" after a list ("a cat and a dog with a collar": whose?), "between"
-followed by a list of more than two or by a relation after its list ("a lamp between a bed and a
-desk on a rug"), and a new clause after two or more objects raise ValueError saying why.
+the container ("a cat in a basket on a sofa"); after a ground, "under" the sky places the subject
+("a cow on a hill under a gray sky"); places: `cast_core.csg.places`. A chain whose later
+relation is "with" ("a girl on a bench with a dog"), unless the subject has a "with" too ("a man
+with an umbrella next to a woman with a dog": the woman's) or the relation before it is one of
+`WITH_AFTER` ("a boat near a dock with two buoys": the dock's), or whose first relation is "in"
+something neither a garment nor a container, "with" after a list ("a cat and a dog with a
+collar": whose?), "between" followed by a list of more than two or by a relation after its list
+("a lamp between a bed and a desk on a rug"), and a new clause after two or more objects raise
+ValueError saying why.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
+from cast_core.csg.places import is_place, read_places
 from cast_core.csg.vocab import (
     ATTRIBUTE_KIND,
     CONTAINERS,
@@ -39,6 +42,7 @@ from cast_core.csg.vocab import (
     RELATION_FORMS,
     RELATION_PHRASES,
     SCENE_GROUNDS,
+    SKY_OBJECTS,
     STATES_BEFORE_NOUN_ONLY,
     singularize,
 )
@@ -110,7 +114,8 @@ def split_statements(body: str) -> list[Statement]:
         if not piece:
             raise ValueError("it has an empty statement (';' or '.' at the start or twice in a "
                              "row)")
-        statements += _cut_before_predications(*split_items(piece))
+        spans, ops = split_items(piece)
+        statements += _cut_before_predications(spans, read_places(spans, ops))
     return statements
 
 
@@ -281,8 +286,18 @@ def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Rela
     ("a book on a table next to a lamp": the table), or A after "with" ("a girl with a kite next
     to a tree": the girl), after "in" a garment (wearing: "a girl in a raincoat next to a tree")
     and after "in"/"on" the scene (`is_scene`: "a fox in the snow next to a tree": the fox).
-    ValueError where the lists read it both ways."""
+    ValueError where the lists read it both ways, and after a place (`cast_core.csg.places`).
+    "under" the sky, sun, moon or stars after a ground places the subject (`sky_objects`)."""
+    if is_place(relation.form):
+        place = f"{relation.form} {' '.join(spans[k])}"
+        raise ValueError(f"a chain goes on with {op.form!r} after {place!r}, a place inside a "
+                         f"noun phrase: {op.form!r} may place {' '.join(spans[k])!r} or the noun "
+                         "phrase before it; write one clause per relation ('... and "
+                         f"{op.form} ...')")
     scene = relation.canonical in ("in", "on") and is_scene(spans[k])
+    sky = (op.canonical == "below" and setting(spans[k]) and bool(spans[k + 1])
+           and singularize(spans[k + 1][-1]) in SKY_OBJECTS)
+    scene = scene or sky
     if op.canonical == "with" and scene:
         return subjects
     if op.canonical == "with":

@@ -26,7 +26,11 @@ belongs to the subject ("a girl with a kite next to a tree": the girl), and afte
 (`garments` in the vocabulary: "a girl in a yellow raincoat next to a tree": the girl) or "in"/"on"
 the scene (`scene_grounds` with "the" or bare: "a fox in the snow next to a tree", "a deer in tall
 grass": the subject; in a later clause refused); after "in" a container (`containers`: "a cat in a
-basket on a sofa") it places the container. "with" later in
+basket on a sofa") it places the container; after a ground (`settings`), "under" the sky, sun,
+moon or stars places the subject ("a cow on a hill under a gray sky"). "in the middle of", "in the
+center of", "in the corner of" read as "on" a surface ("a bowl in the middle of a table") and "in"
+an area ("a statue in the middle of a garden") (`cast_core.csg.places`); a chain after one is
+refused. "with" later in
 a chain belongs to the noun phrase before it only in "A with B rel C with D". "between" takes one noun
 phrase of two or more ("a lamp between two chairs") or two of one ("a lamp between a bed and a
 desk": a "between" edge to each, both asking "Is the lamp between the bed and the desk?"). A
@@ -38,7 +42,8 @@ of a predication before any a/an or count noun phrase ("the cat is black"). "A a
 other" (near, close to) is one edge from A to B; one more relation after it places both ("a dog
 and a cat near each other on a rug"). A predication on a pronoun ("it is red", "they are
 both brown", "each of them empty") names the one noun phrase of that number, or the one list,
-written before ("they are all" among several: the one that holds every other) (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
+written before ("they are all" among several: the one that holds every other), or "they" the only
+two noun phrases of one ("a dog next to a cat; they are both sleeping") (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
 a/an ("a dog with its red ball"), "a horse's back" (a part) as its owner, and a mass noun after a
 relation needs no article ("a tiger lying in tall grass"). Back-references and predications:
 `cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication

@@ -82,20 +82,25 @@ def pronoun_targets(pronoun: str, quantifier: str | None, phrases: list[NounPhra
     written before ("five cookies on a plate; it is white"); "they" (also "both", "all of them",
     "each of them") the one noun phrase of two or more or the one list of noun phrases in
     `groups` ("three eggs in a bowl; they are brown", "a dog and a cat; they are both brown"),
-    "both" of two in all. "all" ("they are all", "all of them") among several names the one that
+    "both" of two in all; with neither, the only two noun phrases, each of one and neither an
+    "of" noun ("a pair of boots"), written before ("a dog next to a cat; they are both
+    sleeping"). "all" ("they are all", "all of them") among several names the one that
     holds every other ("three red balls and two blue cubes; they are all small": the list).
     ValueError naming them when there are none or several."""
     if pronoun == "it":
         found = [(i,) for i, p in enumerate(phrases) if p.count == 1]
     else:
         found = sorted({(i,) for i, p in enumerate(phrases) if p.count > 1} | set(groups))
+        if not found and len(phrases) == 2 and not any(" of " in p.noun for p in phrases):
+            found = [(0, 1)]  # not beside "a pair of boots", which "they" may name alone
     whole = [g for g in found if all(set(other) <= set(g) for other in found)]
     found = whole if quantifier == "all" and len(found) > 1 and whole else found
     shown = [" and ".join(_shown(phrases[i]) for i in group) for group in found]
     said = pronoun if quantifier is None else f"{pronoun} ({quantifier})"
     if len(found) > 1:
         raise ValueError(f"{said!r} could name any of {shown}; name it ('the ... is|are ...')")
-    number = "one" if pronoun == "it" else "two or more, or a list of noun phrases"
+    number = "one" if pronoun == "it" else ("two or more, or a list of noun phrases (or the "
+                                            "only two noun phrases, each of one)")
     if not found:
         raise ValueError(f"{said!r} names no noun phrase of {number} written before it; name it "
                          "('the ... is|are ...')")

@@ -29,8 +29,9 @@ from cast_core.csg.words import (
 )
 
 _RELATION_PARTS = frozenset({"left", "right", "front", "top", "next", "close", "side"})
-# "the middle of a field", "the corner of a room": a place inside another noun phrase, where "in"
-# may mean in or on ("in the middle of a table"); the lists write it as "in" and as a relation.
+# "the edge of a lake", "the bottom of a hill": a place inside another noun phrase. Read only as
+# "on the edge of", "at the top of" (on) and "in the middle/center/corner of" (on a surface, in an
+# area: `cast_core.csg.places`); after any other relation ("near the corner of a room") refused.
 _PLACES_IN = frozenset({"middle", "center", "centre", "corner", "edge", "end", "bottom", "back",
                         "foot", "side", "rim", "surface"})
 # "on the left", "in the background": a place in the picture, not relative to a noun phrase.
@@ -86,9 +87,9 @@ def unsupported_construct(words: list[str]) -> str | None:
         if later and word == "of" and words[i - 1] in _PLACES_IN:
             said = " ".join(["the", *words[i - 1:i + 2]])
             return (f"it has 'the {words[i - 1]} of' ({said!r}), a place inside another noun "
-                    "phrase, which the offline parser does not read as a relation ('in the "
-                    "middle of a table': in or on it?); write the relation itself ('in a field', "
-                    "'on a table')")
+                    "phrase, which the offline parser reads only as 'on the edge of', 'at the top "
+                    "of' and 'in the middle/center/corner of' ('in the middle of a table': on it); "
+                    "write the relation itself ('in a field', 'on a table')")
         if later and word == "of":
             return (f"it has an 'of' phrase ({' '.join(words[i - 1:i + 2])!r}); the offline parser "
                     f"reads 'of' only after a container or quantity ('a cup of tea', 'two loaves "
@@ -123,11 +124,14 @@ def no_split_reason(rest: list[str], text: str, nouns: frozenset[str] | None,
         return (f"{head!r} in {text!r} is an attribute ({ATTRIBUTE_KIND[head]}), not a noun; "
                 f"name the object after it")
     kinds, unknown, extra = {}, [], []
-    for i, (word, after) in enumerate(zip(before, [*before[1:], head])):
-        if word == "and" and joins_colors(rest, i):
-            continue
+    afters = [*before[1:], head]
+    pairs = [i for i in range(len(before) - 1) if f"{before[i]} {before[i + 1]}" in ATTRIBUTE_KIND]
+    for i, (word, after) in enumerate(zip(before, afters)):
+        if word == "and" and joins_colors(rest, i) or i - 1 in pairs:
+            continue  # "black and white"; the second word of a two-word value ("curly haired")
         colored = (word in COLOR_MODIFIERS and ATTRIBUTE_KIND.get(after) == "color"
                    or hyphenated_colors(word))
+        word = f"{word} {after}" if i in pairs else word
         kind = ATTRIBUTE_KIND.get(word, "color" if colored else None)
         if kind is None:
             unknown.append(word)

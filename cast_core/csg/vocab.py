@@ -54,6 +54,13 @@ SCENE_GROUNDS: frozenset[str] = frozenset(_DATA["scene_grounds"])
 # After "in" in a chain: a garment means wearing ("a girl in a yellow raincoat next to a tree": the
 # girl is next to it), a container containment ("a cat in a basket on a sofa": the basket is on it).
 GARMENTS: frozenset[str] = frozenset(_DATA["garments"])
+# "in the middle of", "in the corner of" (twelfth round): on a surface ("a bowl in the middle of a
+# table": on it), in an area ("a fountain in the middle of a park": in it), as lists 4, 5 and 8 to
+# 12 write them; any other object is refused (`cast_core.csg.places`).
+PLACE_SURFACES: frozenset[str] = frozenset(_DATA["place_surfaces"])
+PLACE_AREAS: frozenset[str] = frozenset(_DATA["place_areas"])
+# "under a gray sky" after a ground in a chain places the subject (`sky_objects`: twelfth round).
+SKY_OBJECTS: frozenset[str] = frozenset(_DATA["sky_objects"])
 CONTAINERS: frozenset[str] = frozenset(_DATA["containers"])
 # Mass nouns, which a relation may take without an article ("a tiger lying in tall grass"): one.
 MASS_NOUNS: frozenset[str] = frozenset(_DATA["mass_nouns"])
@@ -96,9 +103,11 @@ RELATION_PHRASES = MappingProxyType({
     "with": "with", "on": "on", "in": "in", "inside": "in", "around": "around",
     "between": "between", "in between": "between", "against": "against",
     # a place on the object's surface is on it, as every list writes it ("a glass on the edge of
-    # a table", "a bench at the top of a hill"); "in the middle/corner of" stays refused (the
-    # lists write "in", "on" and a relation of its own)
+    # a table", "a bench at the top of a hill")
     "on the edge of": "on", "at the top of": "on",
+    # since the twelfth round "in" or "on" by the object (`cast_core.csg.places`): "in" here
+    "in the middle of": "in", "in the center of": "in", "in the centre of": "in",
+    "in the corner of": "in",
 })
 RELATION_FORMS: tuple[tuple[str, ...], ...] = tuple(sorted(
     (tuple(p.split(" ")) for p in RELATION_PHRASES), key=len, reverse=True))
