@@ -67,9 +67,9 @@ def cast(recipe: str = DEFAULT_RECIPE, iteration: int | None = None, store: str 
     r = checked_recipe(recipe, overrides, store_root(store))
     print(f"recipe {recipe}: " + json.dumps(r.derived(), indent=1))
     st = Store(store_root(store))
-    setup = run_setup(TASKS, st, r)
-    k = next_iteration_task(st, r) if iteration is None else iteration
     with executor(r) as workers:
+        setup = run_setup(TASKS, st, r, workers=workers)
+        k = next_iteration_task(st, r) if iteration is None else iteration
         run_iteration(TASKS, st, r, setup, k, workers=workers)
     return iteration_report_task(st, r, k)
 

@@ -313,37 +313,13 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
     assert cache.get(PROMPT, "m", "v2") is None
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory) -> Path:
     """A 1-layer random Qwen2 causal LM with a BPE tokenizer trained on the template text."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from tests.tiny_models import save_causal_lm
 
-    path = tmp_path_factory.mktemp("tiny-lm")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    corpus = [m["content"] for m in DEFAULT_TEMPLATE.messages(PROMPT)]
-    bpe.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
-                                        pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(path)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=8192, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return path
+    return save_causal_lm(tmp_path_factory.mktemp("tiny-lm"),
+                          [m["content"] for m in DEFAULT_TEMPLATE.messages(PROMPT)])
 
 
 def test_local_random_lm_ends_in_a_clear_build_error(tiny_lm):

@@ -16,6 +16,8 @@ Each builder makes the real classes at toy sizes from config (no download), save
   with 16-px patches merged 2x2) for `SoftTifaScorer.from_pretrained`; answer words ("Yes", "No",
   digits and number words) are single tokens of its tokenizer.
 - `save_clip`: a `CLIPModel` folder with a PIL image processor for `ClipEmbedder.from_pretrained`.
+- `save_causal_lm`: a 1-layer random Qwen2 causal LM folder with a ChatML template, for
+  `LocalCausalLMClient` (the `llm-local` CSG builder).
 Tokenizers are byte-level BPE trained in about a second on a small corpus (any text encodes).
 """
 
@@ -287,4 +289,35 @@ def save_clip(folder: str | Path, model=None) -> Path:
 
     (model if model is not None else tiny_clip()).save_pretrained(folder)
     CLIPImageProcessorPil(**CLIP_PROCESSOR).save_pretrained(folder)
+    return Path(folder)
+
+
+# causal LM ---------------------------------------------------------------------------------------
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_causal_lm(folder: str | Path, corpus: Sequence[str]) -> Path:
+    """A 1-layer random Qwen2 causal LM folder with a byte-level BPE tokenizer trained on
+    `corpus` and a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=800,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=8192, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
     return Path(folder)

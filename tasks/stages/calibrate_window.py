@@ -8,14 +8,22 @@ Writes `calibration_curves` (mean/std per step), `windows` (one row) and a PNG p
 progress bar counts the ODE steps (`tasks.stages.progress`).
 mode "fixed": writes only the `windows` row (method "fixed", formation_step = window_end - 1).
 
+With the Ray executor (`run.executor = "ray"`) the curves are measured on the first policy actor,
+which holds the backbone for the whole run (run with its adapter off: the base model), and its
+embedder is loaded there; the flow's process loads neither and writes the same rows.
+
 Run-level (iteration -1); cached on the base weights' hash, the sampling and window sections, the
 calibration prompts' hash and the embedder spec.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cast_core.calibration import SimilarityCurves, similarity_curves
 from cast_core.calibration import calibrate_window as calibrate
-from cast_core.calibration import similarity_curves
 from cast_core.hub_snapshot import file_sha256 as file_hash
 from cast_core.window import fixed_window
 from tasks.stages.guard import stage_task
@@ -27,6 +35,9 @@ from tasks.stages.recipe import Recipe
 from tasks.store.schemas import prompt_id
 from tasks.store.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
+
+if TYPE_CHECKING:
+    from tasks.stages.ray_workers import Workers
 
 STAGE = "calibrate_window"
 
@@ -70,7 +81,39 @@ def cache_key(store: Store, recipe: Recipe) -> str:
                             "seed": recipe.run.seed}, inputs)
 
 
-def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
+@dataclass(frozen=True)
+class MeasuredCurves:
+    """The calibration prompts' curves (`SimilarityCurves`: curves [P, S], sigmas [S]) and the
+    spec of the image embedder that measured them."""
+
+    similarity: SimilarityCurves
+    embedder: str
+
+
+def calibration_prompts(recipe: Recipe) -> tuple[list[str], list[int]]:
+    """P prompts evenly spaced through the calibration file, and one content-derived seed each."""
+    w = recipe.window
+    records = load_prompts(recipe, _calibration_file(recipe))
+    picks = [records[i * len(records) // w.calibration_prompts]
+             for i in range(min(w.calibration_prompts, len(records)))]
+    prompts = [r["prompt"] for r in picks]
+    return prompts, [derive_seed(recipe.run.seed, "calibrate", prompt_id(p)) for p in prompts]
+
+
+def measure_curves(backbone, recipe: Recipe, prompts: list[str], seeds: list[int],
+                   progress: Callable[[int], object] | None = None) -> MeasuredCurves:
+    """The similarity curves of `prompts` sampled by `backbone` (the base model) at the recipe's
+    steps and CFG, embedded by the recipe's image embedder (loaded here)."""
+    s = recipe.sampling
+    embedder = image_embedder(recipe)
+    curves = similarity_curves(backbone, embedder, prompts, seeds, s.num_steps,
+                               s.guidance_scale, chunk_size=s.chunk_size, progress=progress)
+    return MeasuredCurves(curves, embedder.spec)
+
+
+def calibrate_window(store: Store, recipe: Recipe, workers: Workers | None = None) -> StageRef:
+    """The stage; with `workers` (the Ray executor) the curves are measured on the first policy
+    actor, with the backbone it holds, and the rows are written here."""
     run_id, s, w = recipe.run.name, recipe.sampling, recipe.window
     backbone_id = f"{recipe.backbone.family}:{base_hash(recipe)[:16]}"
 
@@ -84,17 +127,14 @@ def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
                     "window_start": window.start, "window_end": window.end, "plot_path": None}
             return [store.write_table("windows", [row], part)]
         set_threads(recipe)
-        records = load_prompts(recipe, _calibration_file(recipe))
-        picks = [records[i * len(records) // w.calibration_prompts]
-                 for i in range(min(w.calibration_prompts, len(records)))]
-        prompts = [r["prompt"] for r in picks]
-        seeds = [derive_seed(recipe.run.seed, "calibrate", prompt_id(p)) for p in prompts]
-        embedder = image_embedder(recipe)
-        with stage_progress(-(-len(prompts) // s.chunk_size) * s.num_steps,
-                            f"window calibration ({len(prompts)} prompts)") as advance:
-            curves = similarity_curves(load_base(recipe), embedder, prompts, seeds, s.num_steps,
-                                       s.guidance_scale, chunk_size=s.chunk_size,
-                                       progress=advance)
+        prompts, seeds = calibration_prompts(recipe)
+        if workers is None:
+            with stage_progress(-(-len(prompts) // s.chunk_size) * s.num_steps,
+                                f"window calibration ({len(prompts)} prompts)") as advance:
+                measured = measure_curves(load_base(recipe), recipe, prompts, seeds, advance)
+        else:
+            measured = workers.calibration_curves(recipe, prompts, seeds)
+        curves = measured.similarity
         result = calibrate(curves.curves, s.num_steps, w.size, method=w.method,
                            threshold=w.threshold)
         plot = store.put_blob(plot_calibration(result, curves.sigmas,
@@ -103,7 +143,7 @@ def calibrate_window(store: Store, recipe: Recipe) -> StageRef:
         curve_rows = [{"run_id": run_id, "backbone_id": backbone_id, "step": k,
                        "sigma": float(curves.sigmas[k]), "similarity_mean": float(m),
                        "similarity_std": float(sd), "num_prompts": len(prompts),
-                       "embedder": embedder.spec}
+                       "embedder": measured.embedder}
                       for k, (m, sd) in enumerate(zip(result.mean_curve, result.std_curve))]
         row |= {"formation_step": result.formation.step, "method": result.formation.method_used,
                 "window_start": result.window.start, "window_end": result.window.end,

@@ -51,14 +51,18 @@ def next_iteration(store, recipe) -> int:
 
 
 def run_setup(stages: Stages, store, recipe,
-              before: Callable[[str], None] | None = None) -> dict[str, Any]:
+              before: Callable[[str], None] | None = None,
+              workers: Any = None) -> dict[str, Any]:
     """The run-level stages in order -> {"build_csgs": ref, "calibrate_window": ref}; `before`
-    is called with each stage's name before it starts."""
+    is called with each stage's name before it starts. `workers`: the Ray executor's actors,
+    passed to both (the calibration measures its curves on a policy actor; a local LLM builder
+    builds there); None computes them here."""
     before = before or _nothing
+    on = {} if workers is None else {"workers": workers}
     before("build_csgs")
-    csgs = stages.build_csgs(store, recipe)
+    csgs = stages.build_csgs(store, recipe, **on)
     before("calibrate_window")
-    return {"build_csgs": csgs, "calibrate_window": stages.calibrate_window(store, recipe)}
+    return {"build_csgs": csgs, "calibrate_window": stages.calibrate_window(store, recipe, **on)}
 
 
 def run_iteration(stages: Stages, store, recipe, setup: dict[str, Any], k: int,

@@ -27,10 +27,15 @@ class PolicyState:
     update_kl_nats: float | None = None
 
 
+def base_policy(recipe: Recipe) -> PolicyState:
+    """Iteration 0's policy: the base weights with the fresh, zero-effect adapter."""
+    return PolicyState(0, f"base-{base_hash(recipe)[:16]}", None, None)
+
+
 def policy_for(store: Store, recipe: Recipe, iteration: int) -> PolicyState:
     """The policy that iteration `iteration` rolls out and starts training from."""
     if iteration == 0:
-        return PolicyState(0, f"base-{base_hash(recipe)[:16]}", None, None)
+        return base_policy(recipe)
     previous = iteration - 1
     rows = store.read_table("checkpoints", (pc.field("run_id") == recipe.run.name)
                             & (pc.field("iteration") == previous)).to_pylist()

@@ -17,7 +17,11 @@ split between them, each with all its atoms, and each actor reads its images fro
 evaluation (`tasks.stages.evaluate`) runs on the same actors: its images sampled by the policy
 actors in shards of whole chunks, and scored by the scorer actors, passed through Ray. ReCAST's
 gains (`tasks.stages.recast_gains`) are estimated on the first policy actor with the policy it
-holds, its images scored on the scorer actors (the policy actor calls them). The
+holds, its images scored on the scorer actors (the policy actor calls them). The run-level
+stages run there too: the window calibration's curves are measured on the first policy actor
+with the backbone it holds (adapter off: the base model), so the flow's process never loads the
+backbone, and a local LLM CSG builder (`builder.kind = "llm-local"`) builds the graphs there,
+loaded for the call. The
 stage's completion record is written by `run_stage` after the body returns, so after every shard
 has finished. A remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on
 other machines: the scorer actors then call it.
@@ -49,7 +53,9 @@ from cast_core.data_parallel import SOLO
 from cast_core.lora import reference_mode
 from cast_core.recast_gains import RecastGains
 from cast_core.rollout import Rollout
-from tasks.stages.models import scorer, set_threads
+from tasks.stages.build_csgs import CsgRows, csg_rows
+from tasks.stages.calibrate_window import MeasuredCurves, measure_curves
+from tasks.stages.models import graph_builder, scorer, set_threads
 from tasks.stages.policy_state import PolicyState
 from tasks.stages.recast_gains import RecastConfig, estimate
 from tasks.stages.recipe import Recipe
@@ -110,6 +116,21 @@ class PolicyWorker:
 
         with reference_mode(backbone) if policy.lora_path is None else nullcontext():
             return estimate(recipe, config, backbone, score)
+
+    def calibration_curves(self, recipe: Recipe, prompts: list[str], seeds: list[int]
+                           ) -> MeasuredCurves:
+        """`calibrate_window.measure_curves` on the held backbone with its adapter off (the base
+        model, as the local stage's `load_base`); the embedder is loaded for the call."""
+        set_threads(recipe)
+        backbone = self.resident.base(recipe)
+        with reference_mode(backbone):
+            return measure_curves(backbone, recipe, prompts, seeds)
+
+    def csg_rows(self, recipe: Recipe, lines: list[tuple[int, dict]]) -> CsgRows:
+        """`build_csgs.csg_rows` with the recipe's builder (a local LLM) loaded for the call; it
+        is freed when the call returns, and on a fresh run before the backbone first loads."""
+        set_threads(recipe)
+        return csg_rows(recipe, lines, graph_builder(recipe))
 
     def rendezvous(self) -> str:
         """An address on this actor's node where a training group can meet."""
@@ -226,6 +247,19 @@ class Workers:
         calls = [actor.score_images.remote(recipe, images[lo:hi], graphs[lo:hi])
                  for actor, (lo, hi) in zip(self.scorers, parts)]
         return _one_scorer(ray.get(calls))[1]
+
+    def calibration_curves(self, recipe: Recipe, prompts: list[str], seeds: list[int]
+                           ) -> MeasuredCurves:
+        """The window calibration's curves, measured on the first policy actor."""
+        import ray
+
+        return ray.get(self.policy[0].calibration_curves.remote(recipe, prompts, seeds))
+
+    def csg_rows(self, recipe: Recipe, lines: list[tuple[int, dict]]) -> CsgRows:
+        """The build_csgs rows of the prompt file's `lines`, built on the first policy actor."""
+        import ray
+
+        return ray.get(self.policy[0].csg_rows.remote(recipe, lines))
 
     def recast_gains(self, store: Store, recipe: Recipe, config: RecastConfig,
                      policy: PolicyState) -> RecastGains:

@@ -7,7 +7,8 @@ the base is loaded by the same `models.load_policy` (its LoRA seeded from the ru
 policy's adapter weights are those of its LoRA blob, or the fresh adapter's at iteration 0. After
 a training on the held weights, `trained` names the new policy, so the next iteration's rollout
 on the same actor reloads nothing; a training that failed leaves weights of no known policy
-(`forget`), reloaded from the store on the next call.
+(`forget`), reloaded from the store on the next call. The window calibration runs the held
+backbone with its adapter off (`base`): the base model, whichever policy the adapter holds.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tasks.stages.models import load_policy, lora_tensors, set_lora
-from tasks.stages.policy_state import PolicyState
+from tasks.stages.policy_state import PolicyState, base_policy
 from tasks.stages.recipe import Recipe
 from tasks.store.store import Store
 
@@ -44,14 +45,7 @@ class ResidentPolicy:
 
     def get(self, store: Store, recipe: Recipe, policy: PolicyState):
         """(backbone, LoRA parameters) of `policy`, loading only what differs from what is held."""
-        key = _base_key(recipe)
-        if key != self._base_key:
-            self.backbone, self.params = load_policy(recipe, None)
-            self._fresh_lora = lora_tensors(self.backbone)
-            self._base_key, self.policy_hash = key, None
-            self.loads.backbone += 1
-            if policy.lora_path is None:
-                self.policy_hash = policy.policy_hash
+        self._load_base(recipe)
         if policy.policy_hash != self.policy_hash:
             lora = store.get_tensors(policy.lora_path) if policy.lora_path else self._fresh_lora
             set_lora(self.backbone, lora)
@@ -60,6 +54,21 @@ class ResidentPolicy:
         for p in self.params:
             p.grad = None
         return self.backbone.eval(), self.params
+
+    def base(self, recipe: Recipe):
+        """The held backbone, whatever policy its adapter holds (loaded if none is held): run it
+        inside `cast_core.lora.reference_mode` for the base model (`models.load_base`)."""
+        self._load_base(recipe)
+        return self.backbone.eval()
+
+    def _load_base(self, recipe: Recipe) -> None:
+        """Load the backbone with the fresh adapter (iteration 0's policy) unless held."""
+        key = _base_key(recipe)
+        if key != self._base_key:
+            self.backbone, self.params = load_policy(recipe, None)
+            self._fresh_lora = lora_tensors(self.backbone)
+            self._base_key, self.policy_hash = key, base_policy(recipe).policy_hash
+            self.loads.backbone += 1
 
     def trained(self, policy_hash: str) -> None:
         """The held weights are now those of `policy_hash` (a training finished on them)."""

@@ -1,0 +1,176 @@
+"""The Ray executor's run-level stages on a local cluster of two CPUs: the window calibration
+measures its curves on the first policy actor, with the backbone that actor then keeps for the
+whole run, and a local LLM CSG builder builds its graphs there; the rows equal the local
+executor's, and the flow's process reads no backbone from disk for the whole run. One fast test
+calls a policy actor's calibration in this process (no Ray).
+
+Slow (the Ray tests): starting the cluster and its actors' processes costs tens of seconds on two
+cores."""
+
+import json
+
+import pytest
+import torch
+
+from cast_core.backbones.shapes import ShapesBackbone
+from cast_core.csg.llm import DEFAULT_TEMPLATE
+from cast_core.csg.llm_schema import parse_spec
+from tasks.stages.build_csgs import build_csgs
+from tasks.stages.calibrate_window import calibrate_window
+from tasks.stages.iteration import plain_stages, run_iteration, run_setup
+from tasks.stages.models import builder_id
+from tasks.stages.policy_state import base_policy
+from tasks.stages.ray_workers import PolicyWorker, executor, init_ray
+from tasks.store.store import Store
+from tests.pipeline_helpers import ci_recipe, reference
+from tests.test_ray_executor import RAY
+
+ray = pytest.importorskip("ray")
+
+RUN_TABLES = {"build_csgs": ("csgs", "atoms"),
+              "calibrate_window": ("calibration_curves", "windows")}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    init_ray("", num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def _rows(store: Store, ref, table: str) -> list[dict]:
+    return store.read_output(ref, table).to_pylist()
+
+
+class InProcess:
+    """The `Workers` call of the calibration, answered by a policy actor's object in this
+    process (no Ray)."""
+
+    def __init__(self, actor: PolicyWorker) -> None:
+        self.actor = actor
+
+    def calibration_curves(self, recipe, prompts: list[str], seeds: list[int]):
+        return self.actor.calibration_curves(recipe, prompts, seeds)
+
+
+def test_a_held_backbone_calibrates_as_the_base_model(tmp_path_factory):
+    """A policy actor's calibration on the backbone it holds, its adapter off, writes the local
+    stage's rows, whichever policy the adapter holds (here one with nonzero weights); a fresh
+    actor loads the backbone once, holding iteration 0's policy, so its first rollout swaps
+    nothing."""
+    local_store, _, prompts, local = reference(tmp_path_factory)
+    recipe = ci_recipe(prompts)
+    trained = PolicyWorker()
+    trained.resident.get(local_store, recipe, base_policy(recipe))
+    with torch.no_grad():
+        for p in trained.resident.params:
+            p.add_(0.1)  # B was zero: the adapter now changes the velocity
+    trained.resident.trained("some-trained-policy")
+    fresh = PolicyWorker()
+    for name, actor in (("trained", trained), ("fresh", fresh)):
+        store = Store(tmp_path_factory.mktemp(f"held-{name}") / "store")
+        ref = calibrate_window(store, recipe, workers=InProcess(actor))
+        for table in RUN_TABLES["calibrate_window"]:
+            assert _rows(store, ref, table) == _rows(local_store, local["calibrate_window"],
+                                                     table), (name, table)
+        assert ref.content_hash == local["calibrate_window"].content_hash, name
+    assert trained.resident.policy_hash == "some-trained-policy"
+    assert fresh.resident.policy_hash == base_policy(recipe).policy_hash
+    fresh.resident.get(local_store, recipe, base_policy(recipe))
+    assert (fresh.resident.loads.backbone, fresh.resident.loads.lora) == (1, 0)
+
+
+@pytest.mark.slow
+def test_the_whole_run_loads_the_backbone_on_the_actors_only(cluster, tmp_path_factory,
+                                                            monkeypatch):
+    """Setup and iterations 0 and 1 on the actors: the calibration's rows (windows and curves,
+    their plot blob too) and the CSG rows equal the local run's, and iteration 0's rollout is
+    the local one on that window; the flow's process never loads the backbone nor samples the
+    calibration's curves, and each policy actor loads the backbone once (actor 0 calibrates
+    with it, then rolls out with it without swapping the adapter)."""
+    local_store, _, prompts, local = reference(tmp_path_factory)  # before the counting below
+    recipe = ci_recipe(prompts, **RAY)
+    assert recipe.window.mode == "calibrated"
+    store = Store(tmp_path_factory.mktemp("ray-run-stages") / "store")
+    flow_loads = []
+    load = ShapesBackbone.from_pretrained
+
+    def counted(*args, **kwargs):
+        flow_loads.append(args)
+        return load(*args, **kwargs)
+
+    def no_curves(*args, **kwargs):
+        raise AssertionError("the flow's process sampled the calibration's curves")
+
+    monkeypatch.setattr(ShapesBackbone, "from_pretrained", counted)
+    monkeypatch.setattr("tasks.stages.calibrate_window.similarity_curves", no_curves)
+    stages = plain_stages()
+    with executor(recipe) as workers:
+        setup = run_setup(stages, store, recipe, workers=workers)
+        after_setup = workers.loads()
+        refs = [run_iteration(stages, store, recipe, setup, k, workers=workers) for k in (0, 1)]
+        loads = workers.loads()
+        workers.release()
+    for stage, tables in RUN_TABLES.items():
+        assert not setup[stage].skipped, stage
+        for table in tables:
+            assert _rows(store, setup[stage], table) == _rows(local_store, local[stage], table)
+        assert setup[stage].content_hash == local[stage].content_hash, stage
+    assert refs[0]["rollout"].content_hash == local["rollout"].content_hash
+    assert flow_loads == []
+    assert [(n.backbone, n.lora) for n in after_setup["policy"]] == [(1, 0), (0, 0)]
+    assert [(n.backbone, n.lora) for n in loads["policy"]] == [(1, 0), (1, 1)]
+    assert loads["scorer"] == [1, 1]
+
+
+PROMPT = "a photo of two red circles left of a blue square"
+RECORD = {"tag": "position", "prompt": PROMPT,
+          "include": [{"class": "square", "count": 1, "color": "blue"},
+                      {"class": "circle", "count": 2, "color": "red", "position": ["left of", 0]}]}
+ANSWER = {"objects": [{"id": "circles", "noun": "circle", "count": 2,
+                       "attributes": {"color": "red"}},
+                      {"id": "sq", "noun": "square", "count": 1, "attributes": {"color": "blue"}}],
+          "relations": [{"subject": "circles", "relation": "left of", "object": "sq"}]}
+
+
+def _llm_recipe(lm, prompts, cache: str):
+    return ci_recipe(prompts, **RAY, **{"builder.kind": "llm-local", "builder.model": str(lm),
+                                        "builder.max_tokens": 16, "builder.cache_dir": cache})
+
+
+@pytest.mark.slow
+def test_a_local_llm_builder_builds_on_the_first_policy_actor(cluster, tmp_path_factory,
+                                                              monkeypatch):
+    """`builder.kind = "llm-local"` with the Ray executor: the graphs are built on the first
+    policy actor (the flow's process loads no builder) into the local executor's rows, the
+    tiny random model's answer for the one prompt read from the builder's cache; without that
+    answer the model fails, and the stage raises the local stage's PromptFileError, naming the
+    file and line."""
+    from cast_core.shapes.prompts import PromptFileError
+    from tasks.stages.csg_cache import CsgCache
+    from tests.tiny_models import save_causal_lm
+
+    base = tmp_path_factory.mktemp("ray-llm")
+    lm = save_causal_lm(base / "lm", [m["content"] for m in DEFAULT_TEMPLATE.messages(PROMPT)])
+    prompts = base / "prompts.jsonl"
+    prompts.write_text(json.dumps(RECORD) + "\n")
+    recipe = _llm_recipe(lm, prompts, str(base / "cache"))
+    CsgCache(recipe.builder.cache_dir).put(PROMPT, builder_id(recipe), DEFAULT_TEMPLATE.version,
+                                           parse_spec(ANSWER).to_dict())
+    local_store = Store(base / "local")
+    local = build_csgs(local_store, recipe)
+
+    def no_builder(*args, **kwargs):
+        raise AssertionError("the flow's process loaded the CSG builder")
+
+    monkeypatch.setattr("tasks.stages.build_csgs.graph_builder", no_builder)
+    with executor(recipe) as workers:
+        store = Store(base / "ray")
+        got = build_csgs(store, recipe, workers=workers)
+        uncached = _llm_recipe(lm, prompts, str(base / "empty-cache"))
+        with pytest.raises(PromptFileError, match="line 1: the CSG builder failed"):
+            build_csgs(Store(base / "ray-fails"), uncached, workers=workers)
+        workers.release()
+    for table in RUN_TABLES["build_csgs"]:
+        assert _rows(store, got, table) == _rows(local_store, local, table)
+    assert got.content_hash == local.content_hash
