@@ -17,11 +17,8 @@ split between them, each with all its atoms, and each actor reads its images fro
 evaluation (`tasks.stages.evaluate`) runs on the same actors: its images sampled by the policy
 actors in shards of whole chunks, and scored by the scorer actors, passed through Ray. ReCAST's
 gains (`tasks.stages.recast_gains`) are estimated on the first policy actor with the policy it
-holds, its images scored on the scorer actors (the policy actor calls them). The run-level
-stages run there too: the window calibration's curves are measured on the first policy actor
-with the backbone it holds (adapter off: the base model), so the flow's process never loads the
-backbone, and a local LLM CSG builder (`builder.kind = "llm-local"`) builds the graphs there,
-loaded for the call. The
+holds, its images scored on the scorer actors (the policy actor calls them); so are the window
+calibration's curves (adapter off: the base model) and a local LLM builder's graphs. The
 stage's completion record is written by `run_stage` after the body returns, so after every shard
 has finished. A remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on
 other machines: the scorer actors then call it.
