@@ -12,7 +12,9 @@ images with noise no rollout used (seed offset 1000) at the base and after every
 iterations. It prints one JSON line per checkpoint (recipe, seed, overrides, iteration, samples,
 mean atom score, gain over the base, the images' high-frequency energy and its relative change
 over the base's, which a collapse to noise textures raises: the methods benchmark flags more than
-+25%; and over the iterations since the last checkpoint the
++25%; the images' diversity (mean pairwise 1 - cos of their layout embeddings) and its relative
+change, which a collapse to one image for every noise lowers; and over the iterations since the
+last checkpoint the
 training diagnostics: lr, update KL in nats a sample and window step, mean clip fraction, mean
 rollouts' object-atom score) and appends it to `--out` when given. With `--grids DIR` it copies
 each checkpoint's image grid to DIR/<recipe stem>-s<seed>-it<iteration>.png, to look at. Several
@@ -53,11 +55,12 @@ def parse_set(items: list[str]) -> dict:
     return out
 
 
-def hf_energy(store: Store, recipe, iteration: int) -> float:
-    """The checkpoint's evaluation images' mean high-frequency energy (the evals row's)."""
+def image_figures(store: Store, recipe, iteration: int) -> tuple[float, float | None]:
+    """The checkpoint's evaluation images' mean high-frequency energy and their diversity (mean
+    pairwise 1 - cos of the prompt's images' layout embeddings; the evals row's)."""
     (row,) = store.read_table("evals", {"run_id": recipe.run.name, "iteration": iteration,
                                         "group_kind": "overall"}).to_pylist()
-    return row["hf_energy"]
+    return row["hf_energy"], row["diversity"]
 
 
 def train_diagnostics(store: Store, recipe, first: int, last: int) -> dict:
@@ -99,13 +102,16 @@ def main() -> None:
 
         def report(iteration: int) -> None:
             evaluate_checkpoint(store, recipe, iteration)
-            hf, hf_base = hf_energy(store, recipe, iteration), hf_energy(store, recipe, -1)
+            (hf, div), (hf_base, div_base) = (image_figures(store, recipe, iteration),
+                                              image_figures(store, recipe, -1))
             row = {"recipe": args.recipe, "seed": args.seed, "set": extra,
                    "iteration": iteration, "samples": (iteration + 1) * recipe.prompts.group_size,
                    "mean_score": round(mean_score(store, recipe, iteration), 4),
                    "gain": round(mean_score(store, recipe, iteration)
                                  - mean_score(store, recipe, -1), 4),
                    "hf_energy": round(hf, 5), "hf_change": round(hf / hf_base - 1, 4),
+                   "diversity": round(div, 5),
+                   "diversity_change": round(div / div_base - 1, 4) if div_base else None,
                    "seconds": round(time.perf_counter() - t0, 1), **train_diagnostics(
                        store, recipe, iteration - args.every + 1, iteration)}
             print(json.dumps(row), flush=True)

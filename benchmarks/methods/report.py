@@ -199,7 +199,10 @@ EFFICIENCY_TEXT = (
     "of the mean curves' crossings:")
 HACKING_TEXT = (
     "Mean high-frequency energy of the final evaluation's images (noise or stripes that fool the "
-    "verifier raise it), and the grids of seed 0 (first 64 images: one row per prompt):")
+    "verifier raise it); their diversity, the mean over prompts of the mean pairwise (1 - cosine) "
+    "between the layout embeddings of one prompt's images (a policy that draws one image for "
+    "every noise lowers it, which the hf energy need not show); and the grids of seed 0 (first "
+    "64 images: one row per prompt):")
 TIMING_TEXT = (
     "Body seconds of each stage (`stages` table), medians over seeds x iterations; iteration = "
     "its stages summed, ReCAST gains included where an arm estimates them; minutes per run = "

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from methods.stats import PromptScores
 
 EVALS_SQL = """
-SELECT run_id, iteration, split, eval_spec_hash, strict_accuracy, mean_score, hf_energy, images
+SELECT run_id, iteration, split, eval_spec_hash, strict_accuracy, mean_score, hf_energy, diversity,
+       images
 FROM evals WHERE group_kind = 'overall' AND list_contains($runs, run_id)"""
 STAGES_SQL = """
 SELECT run_id, iteration, stage, cache_key, epoch(finished_at) - epoch(started_at) AS seconds

@@ -18,7 +18,7 @@ over Flow-GRPO's, bootstrap over seeds.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,7 +54,8 @@ class Summary:
     crossing[arm] = Ratio to flowgrpo; stage_median[(arm, stage)] (stage "iteration" = the
     iteration's stages summed) and time_ratio to flowgrpo; minutes[(arm, seed)] = every stage of
     the run (training, probes, final evaluation); hf[(arm or "base", split)] = hf_energy (mean
-    over seeds)."""
+    over seeds); diversity[(arm or "base", split)] the same for the evaluation's diversity (mean
+    pairwise 1 - cos of one prompt's images' layout embeddings; None where a row lacks it)."""
 
     arms: list
     seeds: list
@@ -75,6 +76,7 @@ class Summary:
     time_ratio: dict
     minutes: dict
     hf: dict
+    diversity: dict = field(default_factory=dict)
 
 
 def _value(res: Results, run: str, k: int, split: str, column: str) -> float:
@@ -181,9 +183,23 @@ def summarise(res: Results, names: list[str], seeds: list[int], prefix: str,
     hf = {("base", s): _value(res, base_run, -1, s, "hf_energy") for s in FINAL_SPLITS}
     hf |= {(a, s): float(np.mean([_value(res, run_name(prefix, a, x), last, s, "hf_energy")
                                   for x in seeds])) for a in names for s in FINAL_SPLITS}
+    diversity = {("base", s): _maybe(res, base_run, -1, s, "diversity") for s in FINAL_SPLITS}
+    diversity |= {(a, s): _mean_or_none([_maybe(res, run_name(prefix, a, x), last, s,
+                                                "diversity") for x in seeds])
+                  for a in names for s in FINAL_SPLITS}
     return Summary(names, seeds, base, gains, gain, seed_gain, checkpoint, diff, ratio, curve,
                    samples, wall, threshold, to_threshold, crossing, medians, time_ratio, minutes,
-                   hf)
+                   hf, diversity)
+
+
+def _maybe(res: Results, run: str, k: int, split: str, column: str) -> float | None:
+    """`_value`, or None where the row's column is null or absent (older stores)."""
+    row = res.evals.get((run, k, split))
+    return None if row is None or row.get(column) is None else float(row[column])
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else float(np.mean(values))
 
 
 def paired_difference(sm: Summary, arm: str, reference: str, split: str,

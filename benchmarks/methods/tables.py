@@ -129,9 +129,17 @@ def efficiency_table(sm: Summary) -> str:
 
 
 def hf_table(sm: Summary) -> str:
+    def diversity(a: str, s: str) -> list[str]:
+        base, final = sm.diversity.get(("base", s)), sm.diversity.get((a, s))
+        if base is None or final is None or base <= 0:
+            return ["–", "–", "–"]
+        return [f"{base:.4f}", f"{final:.4f}", f"{final / base - 1:+.0%}"]
+
     rows = [[a, s, f"{sm.hf[('base', s)]:.4f}", f"{sm.hf[(a, s)]:.4f}",
-             f"{sm.hf[(a, s)] - sm.hf[('base', s)]:+.4f}"] for a in sm.arms for s in FINAL_SPLITS]
-    return table(["arm", "split", "base hf energy", "final (mean over seeds)", "change"], rows)
+             f"{sm.hf[(a, s)] - sm.hf[('base', s)]:+.4f}", *diversity(a, s)]
+            for a in sm.arms for s in FINAL_SPLITS]
+    return table(["arm", "split", "base hf energy", "final (mean over seeds)", "change",
+                  "base diversity", "final diversity", "diversity change"], rows)
 
 
 def time_table(sm: Summary) -> str:
