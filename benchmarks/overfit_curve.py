@@ -110,8 +110,9 @@ def main() -> None:
                    "gain": round(mean_score(store, recipe, iteration)
                                  - mean_score(store, recipe, -1), 4),
                    "hf_energy": round(hf, 5), "hf_change": round(hf / hf_base - 1, 4),
-                   "diversity": round(div, 5),
-                   "diversity_change": round(div / div_base - 1, 4) if div_base else None,
+                   "diversity": None if div is None else round(div, 5),
+                   "diversity_change": (round(div / div_base - 1, 4)
+                                        if div is not None and div_base else None),
                    "seconds": round(time.perf_counter() - t0, 1), **train_diagnostics(
                        store, recipe, iteration - args.every + 1, iteration)}
             print(json.dumps(row), flush=True)
