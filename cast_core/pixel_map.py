@@ -210,6 +210,26 @@ def step_weighted_maps(group_maps: Tensor, weights: Tensor, clip: float) -> Tens
     return torch.einsum("nthw,tk->nkhw", group_maps, w).clamp(-clip, clip)  # [N, K, h, w]
 
 
+def split_step_maps(scalar: Tensor, maps: Tensor, num_steps: int, scalar_steps: int) -> Tensor:
+    """One map per window step: the first `scalar_steps` steps take the scalar advantage as a
+    constant map, the others the map. scalar [N], maps [N, h, w] ->
+        M_k(u) = scalar_n          for k < scalar_steps,
+        M_k(u) = maps_n(u)         for scalar_steps <= k < num_steps,        [N, K, h, w].
+    Inside each sample's all-dims ratio (`cast_core.loss.sample_ratio_spatial_loss`) a constant
+    map is exactly Flow-GRPO's loss, so the early steps train as Flow-GRPO and the later ones as
+    CAST (issue 17: Flow-GRPO gains most on the window [0, 3), CAST's map beats the scalar on
+    [3, 6))."""
+    if scalar.dim() != 1 or maps.dim() != 3 or maps.shape[0] != scalar.shape[0]:
+        raise ValueError(f"need scalar [N] and maps [N, h, w] with the same N; got "
+                         f"{tuple(scalar.shape)} and {tuple(maps.shape)}")
+    if not 0 <= scalar_steps <= num_steps or num_steps < 1:
+        raise ValueError(f"need 0 <= scalar_steps <= num_steps and num_steps >= 1; got "
+                         f"scalar_steps {scalar_steps}, num_steps {num_steps}")
+    out = maps[:, None].expand(-1, num_steps, -1, -1).clone()  # [N, K, h, w]
+    out[:, :scalar_steps] = scalar.to(maps)[:, None, None, None]
+    return out
+
+
 def atom_mean_credit(advantages: Tensor, atom_mask: Tensor, clip: float) -> Tensor:
     """The no-map credit [N]: clamp(mean of the valid atoms' advantages, -clip, clip), 0 for a
     sample without valid atoms; advantages, atom_mask [N, A] (module docstring)."""

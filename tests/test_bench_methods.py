@@ -222,6 +222,11 @@ def test_arms_train_on_the_pool_at_equal_budget_and_differ_only_where_meant():
     assert recipes["cast-no-map"].advantage.kind == "atom"
     late = recipes["cast-late-window"]
     assert (late.window.mode, late.window.start, late.window.size) == ("fixed", 6, 3)
+    split, wide = recipes["cast-split-window"], recipes["flowgrpo-wide-window"]
+    assert split.window == wide.window == recipes["cast-wide-window"].window
+    assert (wide.window.start, wide.window.size, split.advantage.scalar_steps) == (0, 6, 3)
+    assert (split.advantage.kind, wide.advantage.kind) == ("spatial", "scalar")
+    assert recipes["cast-wide-window"].advantage.scalar_steps == 0
     for name, overrides, _ in FIXES:  # one change each to the cast arm
         changed = {f"{sec}.{k}" for sec in ("advantage", "train")
                    for k, v in getattr(recipes[name], sec).model_dump().items()

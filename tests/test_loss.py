@@ -235,3 +235,37 @@ def test_summed_kl_is_finite_for_large_moves():
     want = (math.exp(MAX_LOG_RATIO) - 1 - MAX_LOG_RATIO + (-1 + 16e3)) / 2
     assert math.isfinite(float(est.k3)) and float(est.k3) == pytest.approx(want)
     assert float(est.k1) == 0.0
+
+
+@pytest.mark.parametrize("scalar_steps", [0, 1, 2])
+def test_split_step_maps_train_the_first_steps_as_flow_grpo_and_the_rest_with_the_map(
+        scalar_steps):
+    """`split_step_maps` inside the sample ratio: the window's first `scalar_steps` steps get
+    exactly Flow-GRPO's gradient, the others the map's (each a 1/K share of the mean loss); with
+    every step scalar the whole loss is Flow-GRPO's."""
+    from cast_core.pixel_map import split_step_maps
+
+    old = _log_probs()
+    new = _moved(old, 0.05)
+    adv = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    maps = torch.randn(N, h, w, generator=g, dtype=torch.float64)
+    split = split_step_maps(adv, maps, K, scalar_steps)  # [N, K, h, w]
+    assert split.shape == (N, K, h, w)
+    new_s = new.clone().requires_grad_(True)
+    (g_split,) = torch.autograd.grad(sample_ratio_spatial_loss(new_s, old, split, 0.1).loss, new_s)
+    for k in range(K):  # each step's gradient is its own loss's, scaled by 1/K
+        one = new[:, k : k + 1].clone().requires_grad_(True)
+        if k < scalar_steps:
+            loss = scalar_clipped_loss(one, old[:, k : k + 1], adv, 0.1).loss
+        else:
+            loss = sample_ratio_spatial_loss(one, old[:, k : k + 1], maps[:, None], 0.1).loss
+        (g_k,) = torch.autograd.grad(loss, one)
+        torch.testing.assert_close(g_split[:, k : k + 1], g_k / K)
+    every = split_step_maps(adv, maps, K, K)
+    torch.testing.assert_close(sample_ratio_spatial_loss(new, old, every, 0.1).loss,
+                               scalar_clipped_loss(new, old, adv, 0.1).loss)
+    for bad in ((adv, maps, K, K + 1), (adv, maps, K, -1), (adv[:2], maps, K, 1),
+                (adv, maps[0], K, 1)):
+        with pytest.raises(ValueError, match="need"):
+            split_step_maps(*bad)

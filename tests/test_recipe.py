@@ -302,3 +302,20 @@ def test_map_inside_the_sample_ratio_needs_the_all_dims_clip_range():
     assert position.train.map_ratio == "position"
     with pytest.raises(RecipeError, match="never clip"):
         load_recipe(RECIPES / "shapes-cast.toml", {"train.clip_range": 0.032})
+
+
+def test_scalar_steps_split_the_window_and_are_checked():
+    split = load_recipe(CI, {"window.mode": "fixed", "window.start": 0, "window.size": 4,
+                             "advantage.scalar_steps": 2})
+    assert split.derived()["algorithm"] == ("Flow-GRPO's scalar mean reward on the window's "
+                                            "first 2 step(s), CAST's atom maps on the other 2")
+    assert load_recipe(CI).advantage.scalar_steps == 0  # unset: not in older runs' pins
+    assert "scalar_steps" not in load_recipe(CI).pinned()["advantage"]
+    assert split.pinned()["advantage"]["scalar_steps"] == 2
+    for overrides, match in (
+            ({"advantage.scalar_steps": 5}, r"scalar_steps \(5\) exceeds window.size \(3\)"),
+            ({"advantage.scalar_steps": 1, "advantage.kind": "scalar"}, "has no map"),
+            ({"advantage.scalar_steps": 1, "recast.weighting": "static"}, "not implemented"),
+            ({"advantage.scalar_steps": -1}, "advantage.scalar_steps")):
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(CI, overrides)

@@ -6,7 +6,9 @@ scalar reward = mean atom score, group z-score, hand-set window [0, 3), all-dims
 cast (data/recipes/shapes-cast.toml: calibrated window, atom z-scores projected through the
 verifier's heatmaps, the map inside each sample's all-dims ratio with Flow-GRPO's clip range) form
 suite `main`; suite `ablations` adds the one-change arms of `ONE_CHANGE` (window:
-cast-fixed-window, flowgrpo-calibrated, the late- and mid-window arms of both methods; map:
+cast-fixed-window, flowgrpo-calibrated, the late- and mid-window arms of both methods, and the
+split window cast-split-window, scalar on [0, 3) and maps on [3, 6), against flowgrpo-wide-window
+and cast-wide-window, one credit on all of [0, 6); map:
 cast-no-map, cast-no-map-fixed-window; per-atom vs scalar credit: cast-no-map-fixed-window -
 flowgrpo, and the
 `CREDIT_FIXES` against it, and cast-score-gate, the best of them with the maps; the ratio:
@@ -53,6 +55,13 @@ LATE_WINDOW = {"window.mode": "fixed", "window.start": 6, "window.size": 3}
 # spread of [0, 3) (std 0.146 against 0.141) where [6, 9) halves it (0.074), and its samples
 # score above the ODE's (0.425 against 0.394); `benchmarks/reward_spread.py --guidance 1`.
 MID_WINDOW = {"window.mode": "fixed", "window.start": 3, "window.size": 3}
+# The design change that evidence suggested (issue 17): Flow-GRPO gains most on [0, 3), CAST's
+# map beats the scalar on [3, 6) (reports/cfg1-pool8-rank32-mid-window), so one window [0, 6)
+# with the scalar advantage on its first 3 steps and CAST's map on the last 3. Its references
+# are Flow-GRPO on the same 6 steps and CAST's map on all 6 (the same rollouts' noise; twice the
+# replayed steps per sample of the 3-step arms, at the same samples).
+WIDE_WINDOW = {"window.mode": "fixed", "window.start": 0, "window.size": 6}
+SPLIT_WINDOW = {**WIDE_WINDOW, "advantage.scalar_steps": 3}
 # Fixes to try when CAST does not win (each one change to the cast arm).
 FIXES = (("cast-atom-z", {"advantage.atom_norm": "atom"},
           "cast with per-atom z-scores (the paper's) instead of the pooled atom spread"),
@@ -96,6 +105,13 @@ ONE_CHANGE = (
     ("flowgrpo-mid-window", "flowgrpo", "window: fixed [3, 6), not [0, 3) (scalar reward)"),
     ("cast-mid-window", "flowgrpo-mid-window",
      "all of CAST's credit (atom maps) against the scalar reward, both on the window [3, 6)"),
+    ("flowgrpo-wide-window", "flowgrpo", "window: fixed [0, 6), not [0, 3) (scalar reward)"),
+    ("cast-split-window", "flowgrpo-wide-window",
+     "credit on steps [3, 6): CAST's atom maps instead of the scalar (both scalar on [0, 3))"),
+    ("cast-split-window", "cast-wide-window",
+     "credit on steps [0, 3): the scalar instead of CAST's atom maps (both maps on [3, 6))"),
+    ("cast-split-window", "flowgrpo",
+     "the split window [0, 6) (scalar on [0, 3), CAST's maps on [3, 6)) against Flow-GRPO"),
     ("flowgrpo-per-position", "flowgrpo",
      "loss: per-position ratios (CAST's clip range) instead of the all-dims ratio (scalar reward)"),
     ("cast-no-map-fixed-window", "flowgrpo",
@@ -161,6 +177,12 @@ def arms(suite: str | None = None) -> tuple[Arm, ...]:
             "the ODE's)"),
         Arm("cast-mid-window", CAST_RECIPE, MID_WINDOW,
             "atom maps, fixed window [3, 6) (flowgrpo-mid-window's)"),
+        Arm("flowgrpo-wide-window", FLOWGRPO_RECIPE, WIDE_WINDOW,
+            "scalar reward, fixed window [0, 6) (cast-split-window's)"),
+        Arm("cast-wide-window", CAST_RECIPE, WIDE_WINDOW,
+            "atom maps, fixed window [0, 6) (cast-split-window's)"),
+        Arm("cast-split-window", CAST_RECIPE, SPLIT_WINDOW,
+            "fixed window [0, 6): the scalar reward on [0, 3), CAST's atom maps on [3, 6)"),
         Arm("flowgrpo-calibrated", FLOWGRPO_RECIPE, {"window.mode": "calibrated"},
             "scalar reward, calibrated window (CAST's window on Flow-GRPO)"),
         Arm("cast-no-map-fixed-window", CAST_RECIPE, {"advantage.kind": "atom", **fixed},
@@ -211,14 +233,15 @@ def select_arms(suite: str, only: list[str] | None) -> tuple[Arm, ...]:
 
 
 def check_equal_budget(recipes: list) -> None:
-    """Raise unless the recipes share seed, prompts, sampler, models, window size and the train
-    settings other than the clip range, and the arms of one objective (and, for NFT, one beta)
-    their step size (`STEP`)."""
+    """Raise unless the recipes share seed, prompts, sampler, models and the train settings
+    other than the clip range, and the arms of one objective (and, for NFT, one beta) their step
+    size (`STEP`): equal samples. The window's size may differ (`WIDE_WINDOW`): it sets how many
+    steps of a sample explore and are replayed in training, not how many samples an arm sees."""
     def budget(r) -> dict:
         dump = r.model_dump(mode="json")
         for name in SDE_SAMPLING:  # the forward-process arms sample with the ODE
             dump["sampling"].pop(name)
-        return {"seed": r.run.seed, "window_size": r.window.size,
+        return {"seed": r.run.seed,
                 **{s: dump[s] for s in SAME_SECTIONS},
                 **{f"train.{f}": dump["train"].get(f) for f in SAME_TRAIN}}
 

@@ -43,8 +43,9 @@ STAGE = "compute_advantages"
 
 
 def credit_config(section: AdvantageSection) -> CreditConfig:
-    """The maths' config from the recipe's `advantage` section (every field but `kind`)."""
-    return CreditConfig(**section.model_dump(exclude={"kind"}))
+    """The maths' config from the recipe's `advantage` section (every field but `kind` and
+    `scalar_steps`, which the trainer applies: `tasks.stages.train_epoch`)."""
+    return CreditConfig(**section.model_dump(exclude={"kind", "scalar_steps"}))
 
 
 def atom_batch(score_rows: list[dict], prompt_ids: list[str], group_size: int,

@@ -124,6 +124,7 @@ class Recipe(Section):
                              f"recast.positives to a folder of images from a stronger generator "
                              f"in GenEval's output layout (<folder>/<NNNNN>/metadata.jsonl and "
                              f"samples/*.png), or use weighting 'static'")
+        self._scalar_steps()
         if self.train.map_ratio == "sample" and self.train.clip_range > 0.01:
             raise ValueError(f"train.map_ratio = 'sample' clips each sample's all-dims ratio, "
                              f"whose log is a mean over every dimension: train.clip_range = "
@@ -131,6 +132,25 @@ class Recipe(Section):
                              f"(1e-4 to 1e-3)")
         self._ray_devices()
         return self
+
+    def _scalar_steps(self) -> None:
+        """`advantage.scalar_steps` splits the window between Flow-GRPO's scalar and a map."""
+        k = self.advantage.scalar_steps
+        if k == 0:
+            return
+        if self.advantage.kind not in ("spatial", "atom"):
+            raise ValueError(f"advantage.scalar_steps = {k} gives the window's first steps the "
+                             f"scalar advantage and the rest the kind's map; advantage.kind = "
+                             f"{self.advantage.kind!r} has no map: use kind 'spatial' or 'atom', "
+                             f"or scalar_steps = 0")
+        if k > self.window.size:
+            raise ValueError(f"advantage.scalar_steps ({k}) exceeds window.size "
+                             f"({self.window.size}): at most every window step can take the "
+                             f"scalar advantage")
+        if self.train.objective == "nft" or self.recast.weighting != "none":
+            raise ValueError("advantage.scalar_steps splits the SDE window's steps; it is not "
+                             "implemented with train.objective = 'nft' (no window steps) or with "
+                             "recast.weighting (its own per-step maps): set scalar_steps = 0")
 
     def _ray_devices(self) -> None:
         """With the Ray executor, a model placed on a GPU needs actors that reserve one."""
@@ -173,6 +193,11 @@ class Recipe(Section):
             return {"spatial": "CAST's atom-pixel credit on the forward-process (NFT) loss",
                     "atom": "CAST's atom credit without maps on the forward-process (NFT) loss"
                     }.get(kind, f"DiffusionNFT (scalar {reward} reward)")
+        if self.advantage.scalar_steps:
+            k, size = self.advantage.scalar_steps, self.window.size
+            what = {"spatial": "CAST's atom maps", "atom": "CAST's atom credit (constant map)"}
+            return (f"Flow-GRPO's scalar {reward} reward on the window's first {k} step(s), "
+                    f"{what[kind]} on the other {size - k}")
         return {"spatial": "CAST (spatial atom advantages)",
                 "atom": "CAST without maps (atom advantages, constant map)",
                 "scalar_map": f"Flow-GRPO's scalar {reward} reward through per-position ratios"

@@ -53,10 +53,15 @@ class AdvantageSection(Section):
     `cast_core.advantage.gate_scores`); `credit_norm` "none" (the paper's) or "group" (after gating, each sample's atom credits
     shifted and scaled so that its mean atom credit is the group z-score of those means, as
     Flow-GRPO's advantage is of the reward: gating otherwise leaves a group's credits summing to
-    more than 0; `cast_core.advantage.group_normalise_credit`)."""
+    more than 0; `cast_core.advantage.group_normalise_credit`); `scalar_steps` (kinds "spatial"
+    and "atom", the SDE objective): the window's first `scalar_steps` steps take Flow-GRPO's
+    scalar advantage as a constant map instead of the kind's map (0, the default: every step the
+    kind's; `cast_core.pixel_map.split_step_maps`), e.g. 3 in a window of 6: Flow-GRPO's credit on
+    the early steps that decide the layout, CAST's map on the later ones (issue 17)."""
 
     hash_if_set: ClassVar[tuple[str, ...]] = ("heatmap_norm", "atom_norm", "spatial_mix",
-                                              "heatmap_source", "credit_norm", "gate_on")
+                                              "heatmap_source", "credit_norm", "gate_on",
+                                              "scalar_steps")
 
     kind: Literal["spatial", "scalar", "atom", "scalar_map"]
     gate_by_parents: bool = True
@@ -71,6 +76,7 @@ class AdvantageSection(Section):
     heatmap_source: Literal["own", "group_others"] = "own"
     credit_norm: Literal["none", "group"] = "none"
     gate_on: Literal["credit", "score"] = "credit"
+    scalar_steps: int = Field(0, ge=0)
 
 
 class TrainSection(Section):

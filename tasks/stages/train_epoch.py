@@ -72,7 +72,7 @@ from cast_core.csg.graph import ATOM_TYPES
 from cast_core.data_parallel import SOLO, Shard, same_on_all_ranks
 from cast_core.diagnostics import high_frequency_energy
 from cast_core.lr_schedule import kl_targeted_lr
-from cast_core.pixel_map import step_weighted_maps
+from cast_core.pixel_map import split_step_maps, step_weighted_maps
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
 from tasks.stages.guard import stage_task
@@ -143,11 +143,17 @@ def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None,
 
 def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], window: SdeWindow,
                 gains: StageRef | None) -> tuple[torch.Tensor, str, str | None]:
-    """(advantages, loss kind, step weights as JSON or None): `pick_advantage`, or with
-    `recast.weighting` the type maps weighted per window step ([N, K, h, w])."""
+    """(advantages, loss kind, step weights as JSON or None): `pick_advantage`; with
+    `advantage.scalar_steps` its map on the later window steps and the scalar advantage on the
+    first ones (`split_step_maps`, [N, K, h, w]); with `recast.weighting` the type maps weighted
+    per window step ([N, K, h, w])."""
     weights = reward_step_weights(store, recipe, window.start, window.end, gains)  # [4, K]
     if weights is None:
-        return *pick_advantage(blob, recipe.advantage.kind), None
+        adv, kind = pick_advantage(blob, recipe.advantage.kind)
+        if recipe.advantage.scalar_steps:
+            adv = split_step_maps(blob["scalar"], adv, window.end - window.start,
+                                  recipe.advantage.scalar_steps)
+        return adv, kind, None
     maps = step_weighted_maps(blob["type_maps"], weights, recipe.advantage.clip)
     text = json.dumps({k: [round(float(x), 6) for x in weights[i]]
                        for i, k in enumerate(ATOM_TYPES)})
