@@ -53,8 +53,8 @@ from methods.protocols import (
 )
 from methods.report import what_was_tried
 from methods.store_reads import Results
-from methods.summary import ITERATION_STAGES, one_change, summarise
-from methods.tables import one_change_table, type_gain_table, type_gains
+from methods.summary import ITERATION_STAGES, one_change, one_change_ratios, summarise
+from methods.tables import one_change_table, ratio_cell, type_gain_table, type_gains
 
 from tasks.stages.iteration import RUN_STAGES
 
@@ -492,7 +492,13 @@ def test_one_change_is_the_paired_seed_difference():
     assert d.mean == pytest.approx(0.08 / 3)
     assert (d.low, d.high) == (pytest.approx(0.08 / 3 - half, rel=1e-4),
                                pytest.approx(0.08 / 3 + half, rel=1e-4))
+    ratio = one_change_ratios(sm, list(finals))[("flowgrpo-calibrated", "flowgrpo", "hard")]
+    gains = sm.gains[("flowgrpo-calibrated", "hard", "mean_score")]
+    reference = sm.gains[("flowgrpo", "hard", "mean_score")]
+    assert ratio.value == pytest.approx(sum(gains) / sum(reference))
+    assert ratio == stats.ratio_bootstrap(gains, reference)  # the same paired bootstrap
     text = one_change_table(sm)
+    assert ratio_cell(ratio) in text and ratio_cell(ratio).startswith(f"{ratio.value:.2f}")
     assert "flowgrpo-calibrated - flowgrpo" in text and "cast - flowgrpo" in text
     assert "cast - cast-no-map" not in text  # cast-no-map was not run
 

@@ -211,7 +211,9 @@ TIMING_TEXT = (
 ONE_CHANGE_TEXT = (
     "Each row changes one thing: the per-seed difference of the two arms' gains over base (same "
     "prompts and noise per seed, so paired), mean over seeds with a 95% t-interval. An interval "
-    "that contains 0 means this benchmark cannot tell the change from seed noise.")
+    "that contains 0 means this benchmark cannot tell the change from seed noise. The last "
+    "column is the ratio of the two arms' mean-score gains (arm over reference), with a paired "
+    "bootstrap over seeds: none where the reference's mean gain is <= 0.")
 DIAGNOSTICS_TEXT = (
     "From `train_steps`, per optimizer step, mean over each run's steps, then over seeds "
     "(columns this store lacks are left out): the fraction of clipped ratios; ratio k3, the k3 "

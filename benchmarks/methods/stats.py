@@ -79,18 +79,19 @@ def t_interval(values: list[float], level: float = LEVEL) -> Interval:
 
 
 def ratio_bootstrap(numerator: list[float], denominator: list[float], draws: int = DRAWS,
-                    seed: int = 0, level: float = LEVEL) -> Ratio:
+                    seed: int = 0, level: float = LEVEL, reference: str = "Flow-GRPO") -> Ratio:
     """mean(numerator) / mean(denominator) with a paired percentile bootstrap over the n seeds
     (one resample of seed indices for both lists); draws whose denominator mean is <= 0 count as
-    +-infinity. No ratio when mean(denominator) <= 0; no interval with one seed or when more than
-    the tail's share of draws have a denominator <= 0 (the interval is unbounded)."""
+    +-infinity. No ratio when mean(denominator) <= 0 (the note names the `reference`); no
+    interval with one seed or when more than the tail's share of draws have a denominator <= 0
+    (the interval is unbounded)."""
     num, den = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
     if num.shape != den.shape or num.ndim != 1 or num.size == 0:
         raise ValueError(f"need two equal, non-empty lists (paired by seed): got {num.shape}, "
                          f"{den.shape}")
     n, tail = int(num.size), (1 - level) / 2
     if den.mean() <= 0:
-        return Ratio(None, None, None, n, "Flow-GRPO's mean improvement is <= 0: no ratio")
+        return Ratio(None, None, None, n, f"{reference}'s mean improvement is <= 0: no ratio")
     value = float(num.mean() / den.mean())
     if n < 2:
         return Ratio(value, None, None, n, "one seed: no interval")

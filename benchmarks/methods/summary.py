@@ -218,6 +218,15 @@ def one_change(sm: Summary, arm_names: list[str]) -> dict:
             for s in FINAL_SPLITS for m, _ in METRICS}
 
 
+def one_change_ratios(sm: Summary, arm_names: list[str]) -> dict:
+    """{(arm, reference, split): gain ratio arm / reference of the mean atom score, with a paired
+    bootstrap over seeds} for the `ONE_CHANGE` pairs that were run: e.g. CAST's map over the
+    scalar on one window, a ratio the headline's (against flowgrpo) does not give."""
+    return {(a, r, s): ratio_bootstrap(sm.gains[(a, s, "mean_score")],
+                                       sm.gains[(r, s, "mean_score")], reference=r)
+            for a, r, _ in ONE_CHANGE if a in arm_names and r in arm_names for s in FINAL_SPLITS}
+
+
 @dataclass(frozen=True)
 class RecastSummary:
     """The ReCAST comparison (`RECAST_PAIRS`): train[(arm, type)] = Interval over seeds of the

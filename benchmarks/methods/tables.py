@@ -11,7 +11,7 @@ from methods.arms import BASELINE, ONE_CHANGE
 from methods.protocols import FINAL_SPLITS, METRICS, run_name
 from methods.stats import Interval, Ratio, t_interval
 from methods.store_reads import DIAGNOSTIC_COLUMNS, Results
-from methods.summary import ITERATION_STAGES, Summary, one_change
+from methods.summary import ITERATION_STAGES, Summary, one_change, one_change_ratios
 from tasks.reporting.markdown import table
 
 
@@ -173,11 +173,12 @@ def diagnostics_table(res: Results, sm: Summary, prefix: str) -> str:
 
 
 def one_change_table(sm: Summary) -> str:
-    diffs, rows = one_change(sm, sm.arms), []
+    diffs, ratios, rows = one_change(sm, sm.arms), one_change_ratios(sm, sm.arms), []
     for a, r, about in ONE_CHANGE:
         for s in FINAL_SPLITS:
             if (a, r, s, METRICS[0][0]) in diffs:
                 rows.append([about, f"{a} - {r}", s,
-                             *(interval_cell(diffs[(a, r, s, m)]) for m, _ in METRICS)])
-    return table(["change", "arms", "split", *(f"{label}, mean [95% t]" for _, label in METRICS)],
-                 rows)
+                             *(interval_cell(diffs[(a, r, s, m)]) for m, _ in METRICS),
+                             ratio_cell(ratios[(a, r, s)])])
+    return table(["change", "arms", "split", *(f"{label}, mean [95% t]" for _, label in METRICS),
+                  "gain ratio arm / reference, mean score [95% paired bootstrap]"], rows)
