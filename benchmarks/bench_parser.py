@@ -21,7 +21,8 @@ Sets:
   also used its refusals: its figure after that round is not a held-out one) and
   tests/data/compositional_heldout11.jsonl (372 prompts written before the eleventh round, which
   also used its refusals) and tests/data/compositional_heldout12.jsonl (380 prompts written before
-  the twelfth round, which also used its refusals), each with its
+  the twelfth round, which also used its refusals) and tests/data/compositional_heldout13.jsonl
+  (434 prompts written before the thirteenth round, which also used its refusals), each with its
   intended graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline
   grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
@@ -66,7 +67,8 @@ HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout5.jsonl", "compositional_heldout6.jsonl",
             "compositional_heldout7.jsonl", "compositional_heldout8.jsonl",
             "compositional_heldout9.jsonl", "compositional_heldout10.jsonl",
-            "compositional_heldout11.jsonl", "compositional_heldout12.jsonl")
+            "compositional_heldout11.jsonl", "compositional_heldout12.jsonl",
+            "compositional_heldout13.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:
