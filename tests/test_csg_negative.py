@@ -238,6 +238,12 @@ NEGATIVE = [
      "a chain goes on with 'behind' after 'standing in the corner of a room'"),
     ("a bed in the corner of a room; it is red", "'it' could name any of ['1 bed', '1 room']"),
     ("a lamp near the corner of a room", "it has 'the corner of'"),
+    # thirteenth round: words; a road is neither a listed surface nor a listed area
+    ("a dog in the middle of a road", "'a road' is neither"),
+    ("a cat sits", "verb ('sits')"),
+    ("a kite stuck", "verb ('stuck')"),
+    ("a fox curled with a cub", "verb ('curled')"),
+    ("a blunt knife", "['blunt'] before the noun 'knife'"),
 ]
 
 
