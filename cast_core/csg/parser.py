@@ -2,8 +2,8 @@
 `cast_core.csg.geneval`).
 
 Grammar (GenEval's six templates and the shapes world's forms are all instances):
-    prompt    := [PREFIX] ["there is " | "there are "] statement ( (";" | ".") statement )* ["."]
-                                                                    PREFIX: "a photo of ", ...
+    prompt    := [PREFIX] ["there is " | "there are " | "there's "] statement ( (";" | ".")
+                 statement )* ["."]                                 PREFIX: "a photo of ", ...
     statement := clause ( SEP clause )*  |  the-NP (is|are) ATTRIBUTE ( SEP ATTRIBUTE )*
                | the-NP (is|are) REL NP ( SEP NP )*
     clause    := NP  |  NP REL NP ( SEP NP )* ( (SEP | "") REL NP ( SEP NP )* )*
@@ -115,9 +115,13 @@ from cast_core.csg.vocab import (
 __all__ = ["MAX_PROMPT_CHARS", "PREFIX", "PREFIXES", "parse_prompt"]
 
 PREFIX = "a photo of "
-PREFIXES: tuple[str, ...] = (PREFIX, "an image of ", "a picture of ")
+# A picture of the whole scene, dropped ("a close-up of a ladybug on a leaf": since the thirteenth
+# round, as every list writes them); "a painting of" stays an object ("a painting of a ship above
+# a fireplace" hangs there).
+PREFIXES: tuple[str, ...] = (PREFIX, "an image of ", "a picture of ", "a photograph of ",
+                             "an illustration of ", "a close-up of ", "a close up of ")
 # Said before the first noun phrase and dropped: "there is a cat on a mat" is "a cat on a mat".
-THERE_PREFIXES: tuple[str, ...] = ("there is ", "there are ")
+THERE_PREFIXES: tuple[str, ...] = ("there is ", "there are ", "there's ")
 MAX_PROMPT_CHARS = 400
 # Relations that hold both ways, so "A and B next to each other" is one edge from A to B.
 _BOTH_WAYS = frozenset({"next to", "close to"})
