@@ -151,7 +151,7 @@ NEGATIVE = [
     ("a sandcastle next to a blue bucket and a red spade on the sand",
      "'a red spade' after 'next to' and 'and' may be a second object"),
     ("a cat on a sofa and a dog next to it", "'next to it' could name any of ['1 cat', '1 sofa']"),
-    ("a cat next to them", "'next to them' names no noun phrase of two or more"),
+    ("a cat next to them", "'next to them' names no noun phrase of two or more (or the only two"),
     ("two cats and a dog on it", "'on it' names no noun phrase of one"),
     ("a lamp; a bowl and three oranges in it", "'in it' could name any of ['1 lamp', '1 bowl']"),
     ("a dog in deep water", "['deep'] before the noun 'water' in 'deep water'"),
@@ -244,6 +244,13 @@ NEGATIVE = [
     ("a kite stuck", "verb ('stuck')"),
     ("a fox curled with a cub", "verb ('curled')"),
     ("a blunt knife", "['blunt'] before the noun 'knife'"),
+    # "them" names the only two noun phrases of one other than the subjects, or refuses
+    ("a boy on a bench, a girl on the grass and a dog between them",
+     "'between them' names no noun phrase of two or more (or the only two of one)"),
+    ("a cup of tea next to a plate and a spoon between them",
+     "'between them' names no noun phrase of two or more"),
+    ("a cat next to a dog, a bird on a branch and a fox behind them",
+     "'behind them' names no noun phrase of two or more"),
 ]
 
 

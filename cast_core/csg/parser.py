@@ -199,13 +199,16 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     if each_other:
         local, spans, ops = each_other
     roles, index = _roles(ops), []
+    also: dict[int, tuple[int, ...]] = {}  # "them" naming two noun phrases: the second's index
     spans = [owner_span(span, prompt) for span in spans]
     check_possessives(spans, ops, prompt)
     for i, span in enumerate(spans):
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
             subjects = {index[s] for s, _, j in local if j == i and s < i}
             head = index[0] if len(spans) == 3 and i == 2 and ops[0] == SEP else None
-            index.append(_pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1]))
+            named = _pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1])
+            index.append(named[0])
+            also.update({i: named[1:]} if len(named) > 1 else {})
             if index[-1] == head:
                 # "a large bowl and three oranges in it": the oranges are in the bowl
                 local = [e for e in local if e[0] != 0]
@@ -221,8 +224,9 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     if not local and all(span[:1] == ["the"] for span in spans):
         raise fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
                            "noun phrases written before it and says nothing about them")
-    _check_edges(local, spans, index, phrases, prompt)
-    edges = [(index[i], relation, index[j]) for i, relation, j in local]
+    _check_edges(local, spans, index, phrases, prompt, also)
+    edges = [(index[i], relation, k) for i, relation, j in local
+             for k in (index[j], *also.get(j, ()))]
     if groups is not None:
         # "A and B near each other [on C]": A and B are a list, as the subjects of "on" are
         found = _lists(edges[1:] if each_other else edges, index)
@@ -254,7 +258,11 @@ def _unpose(span: list[str], relation: Relation, phrases: list[NounPhrase], at: 
 
 
 def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], index: list[int],
-                 phrases: list[NounPhrase], prompt: str) -> None:
+                 phrases: list[NounPhrase], prompt: str,
+                 also: dict[int, tuple[int, ...]]) -> None:
+    """Refuse a relation of a noun phrase to itself, "in a row", and "between" other than one
+    noun phrase of two or more or two of one (`also`: the second noun phrase "them" names, by
+    span)."""
     for i, relation, j in local:
         if index[i] == index[j]:
             raise fail(prompt, f"it relates {' '.join(spans[i])!r} to "
@@ -263,8 +271,9 @@ def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], inde
             raise fail(prompt, f"'in {' '.join(spans[j])}' reads as an arrangement ('parked in a "
                                f"row'), not an object; {LLM_HINT}")
         pair = [b for a, r, b in local if (a, r) == (i, "between")]
+        named = [k for b in pair for k in (index[b], *also.get(b, ()))]
         if relation == "between" and phrases[index[j]].count < 2 and (
-                len(pair) != 2 or any(phrases[index[b]].count != 1 for b in pair)):
+                len(named) != 2 or any(phrases[k].count != 1 for k in named)):
             raise fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
                                f"lamp between two chairs') or two of one ('a lamp between a bed "
                                f"and a desk'), not {' or '.join(' '.join(spans[b]) for b in pair)!r}"
@@ -304,16 +313,22 @@ def _check_open_joins(spans: list[list[str]], ops: list[str | Relation], index: 
 
 
 def _pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], prompt: str,
-             relation: Relation) -> int:
-    """Index of the one noun phrase written before that "it" (one) or "them" (two or more) names
-    as the object of `relation`: the only one of that number other than the relation's subjects
-    ("three puppies in a basket and a kitten next to it": the basket). Several or none is an
-    error naming them."""
+             relation: Relation) -> tuple[int, ...]:
+    """Indices of what "it" (one) or "them" (two or more) names as the object of `relation`: the
+    one noun phrase of that number written before, other than the relation's subjects ("three
+    puppies in a basket and a kitten next to it": the basket); "them", where there is none, the
+    only two noun phrases other than the subjects, each of one and neither an "of" noun ("a black
+    car next to a white car and a gray car behind them": both; thirteenth round, as the lists
+    write it). Several or none is an error naming them."""
     plural = word == "them"
     found = [i for i, p in enumerate(phrases) if i not in subjects and (p.count > 1) == plural]
+    others = [i for i in range(len(phrases)) if i not in subjects]
     if len(found) == 1:
-        return found[0]
-    number = "two or more" if plural else "one"
+        return (found[0],)
+    if plural and not found and len(others) == 2 and not any(" of " in phrases[i].noun
+                                                               for i in others):
+        return tuple(others)
+    number = "two or more (or the only two of one)" if plural else "one"
     shown = [" ".join([str(phrases[i].count), *(v for _, v in phrases[i].attributes),
                        phrases[i].noun]) for i in found]
     said = f"{relation.form} {word}"
