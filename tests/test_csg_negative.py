@@ -251,6 +251,9 @@ NEGATIVE = [
      "'between them' names no noun phrase of two or more"),
     ("a cat next to a dog, a bird on a branch and a fox behind them",
      "'behind them' names no noun phrase of two or more"),
+    # "with" after "in" a container or a ground stays refused (whose?)
+    ("a cat in a basket with a ball", "'with' follows the relation 'in' in a chain"),
+    ("a duck in a pond with two ducklings", "'with' follows the relation 'in' in a chain"),
 ]
 
 
