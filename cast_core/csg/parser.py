@@ -43,7 +43,10 @@ other" (near, close to) is one edge from A to B; one more relation after it plac
 and a cat near each other on a rug"). A predication on a pronoun ("it is red", "they are
 both brown", "each of them empty") names the one noun phrase of that number, or the one list,
 written before ("they are all" among several: the one that holds every other), or "they" the only
-two noun phrases of one ("a dog next to a cat; they are both sleeping") (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
+two noun phrases of one ("a dog next to a cat; they are both sleeping"), or "it" among several the
+subject of a first statement of one clause ("a vase on a shelf; it is blue"); "them" as an
+object may name the only two noun phrases of one ("a gray car behind them")
+(`cast_core.csg.pronouns`); "its", "his", "her", "their" read as
 a/an ("a dog with its red ball"), "a horse's back" (a part) as its owner, and a mass noun after a
 relation needs no article ("a tiger lying in tall grass"). Back-references and predications:
 `cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication
@@ -77,9 +80,10 @@ plurals ("two sheep") cannot be told apart from it.
 Node order is the order of appearance; edge k is "rel{k}" in order of appearance. Atoms and their
 questions: `cast_core.csg.questions` (shared with the LLM builder).
 
-Here: prompts, statements and clauses. One noun phrase: `cast_core.csg.noun_phrases` (its words:
-`words`; why they do not read: `refusals`); predications: `cast_core.csg.predicates`; the noun
-phrase type, the error and the graph they make: `cast_core.csg.build`.
+Here: prompts, statements and clauses. Clause structure: `cast_core.csg.clauses` (chains:
+`chains`; places: `places`); one noun phrase: `cast_core.csg.noun_phrases` (its words: `words`;
+why they do not read: `refusals`); predications: `cast_core.csg.predicates`; pronouns:
+`pronouns`; the noun phrase type, the error and the graph they make: `cast_core.csg.build`.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ from cast_core.csg.noun_phrases import (
     read_reference,
 )
 from cast_core.csg.predicates import apply_predicate, apply_pronoun_predicate
+from cast_core.csg.pronouns import clause_subject, object_pronoun
 from cast_core.csg.refusals import unsupported_construct
 from cast_core.csg.vocab import (
     ATTRIBUTE_KIND,
@@ -154,9 +159,10 @@ def parse_prompt(prompt: str, tag: str | None = None,
     edges: list[tuple[int, str, int]] = []
     groups: list[tuple[int, ...]] = []  # lists of noun phrases, which "they" may name
     opening = True  # no noun phrase written with a/an or a count yet
+    lead = None  # the first statement's subject, which "it" names in the second (`clause_subject`)
     for n, (spans, ops) in enumerate(statements):
         if pronoun_subject(spans[0]) is not None:
-            apply_pronoun_predicate(spans, ops, phrases, groups, prompt)
+            apply_pronoun_predicate(spans, ops, phrases, groups, prompt, lead if n == 1 else None)
             continue
         relates = spans[0][-1:] in (["is"], ["are"]) and ops and isinstance(ops[0], Relation)
         if is_predication(spans[0]) and not relates:
@@ -172,8 +178,10 @@ def parse_prompt(prompt: str, tag: str | None = None,
             edges.append((left, "left of", start + 1 if sides == "left" else start))
             opening = False
             continue
-        edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
-                         opening and bool(relates), groups)
+        found = _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
+                        opening and bool(relates), groups)
+        lead = clause_subject(found, bool(ops) and isinstance(ops[0], Relation), phrases)
+        edges += found
         opening = opening and all(span[:1] in (["the"], ["each"]) for span in spans)
     repeated = sorted({e for e in edges if edges.count(e) > 1})
     if repeated:
@@ -206,7 +214,7 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
             subjects = {index[s] for s, _, j in local if j == i and s < i}
             head = index[0] if len(spans) == 3 and i == 2 and ops[0] == SEP else None
-            named = _pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1])
+            named = object_pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1])
             index.append(named[0])
             also.update({i: named[1:]} if len(named) > 1 else {})
             if index[-1] == head:
@@ -310,33 +318,6 @@ def _check_open_joins(spans: list[list[str]], ops: list[str | Relation], index: 
                            f"'{second.form} {c}' may place it alone or every noun phrase before "
                            f"it (a list or a new clause?); write a comma before 'and' for a new "
                            f"clause ('..., and {b} {second.form} {c}'), or {LLM_HINT}")
-
-
-def _pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], prompt: str,
-             relation: Relation) -> tuple[int, ...]:
-    """Indices of what "it" (one) or "them" (two or more) names as the object of `relation`: the
-    one noun phrase of that number written before, other than the relation's subjects ("three
-    puppies in a basket and a kitten next to it": the basket); "them", where there is none, the
-    only two noun phrases other than the subjects, each of one and neither an "of" noun ("a black
-    car next to a white car and a gray car behind them": both; thirteenth round, as the lists
-    write it). Several or none is an error naming them."""
-    plural = word == "them"
-    found = [i for i, p in enumerate(phrases) if i not in subjects and (p.count > 1) == plural]
-    others = [i for i in range(len(phrases)) if i not in subjects]
-    if len(found) == 1:
-        return (found[0],)
-    if plural and not found and len(others) == 2 and not any(" of " in phrases[i].noun
-                                                               for i in others):
-        return tuple(others)
-    number = "two or more (or the only two of one)" if plural else "one"
-    shown = [" ".join([str(phrases[i].count), *(v for _, v in phrases[i].attributes),
-                       phrases[i].noun]) for i in found]
-    said = f"{relation.form} {word}"
-    if not found:
-        raise fail(prompt, f"{said!r} names no noun phrase of {number} written before it; "
-                           f"name the object ('{relation.form} the ...') or {LLM_HINT}")
-    raise fail(prompt, f"{said!r} could name any of {shown}; name the object ('{relation.form} "
-                       f"the ...') or {LLM_HINT}")
 
 
 def _is_setting(span: list[str]) -> bool:
