@@ -264,6 +264,15 @@ NEGATIVE = [
     ("a cat and a dog on a rug; it is brown", "'it' could name any of ['1 cat', '1 dog', '1 rug']"),
     ("a cat on a mat; it is black; it is small", "'it' could name any of ['1 black cat', '1 mat']"),
     ("a pen; a cup on a desk; it is red", "'it' could name any of ['1 pen', '1 cup', '1 desk']"),
+    # "him", "her" name one person; adverbs end a statement; "between" later in a chain;
+    # comparisons; "are" after a bare list
+    ("a man and a woman; a dog behind her", "'behind her' could name any of ['1 man', '1 woman']"),
+    ("a cat behind her", "'behind her' names no noun phrase of one person"),
+    ("a box with a cat inside, next to a chair", "relation 'inside' must be followed by a noun"),
+    ("two cups side by side", "'each other' is read only as 'A and B next to each other'"),
+    ("a spider on a web between two branches", "'between' follows 'on' in a chain"),
+    ("a sunflower taller than a fence", "a comparison ('taller than')"),
+    ("a cat and a dog are on a sofa", "verb ('are')"),
 ]
 
 

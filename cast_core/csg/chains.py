@@ -11,6 +11,7 @@ table is next to the lamp), as every list writes such chains, except:
 - after "in"/"on" the scene (`is_scene`: "a fox in the snow next to a tree": the fox), and, after
   a ground (`settings`), "under" the sky, the sun, the moon or the stars (`sky_objects`: "a cow on
   a hill under a gray sky");
+- "between" as the later relation is refused (thirteenth round): list 13 writes it both ways;
 - "with" as the later relation is the object's only after a relation between two objects apart
   (`WITH_AFTER`: "a boat near a dock with two buoys": the dock's) and in "A with B rel C with D";
   after "on", "in", "against", "around", "between" the lists write it both ways ("a bear on a
@@ -98,9 +99,15 @@ def chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Relat
                          "('a woman in a red dress and a man in a suit in front of a church'); "
                          "write the shared place as its own statement")
     # after "with", a pronoun object names the subject: "a table with a vase on it" is the vase
-    # on the table
-    pronoun = spans[k + 1] in (["it"], ["them"])
+    # on the table, "a girl with a kite above her" the kite above the girl
+    pronoun = spans[k + 1] in (["it"], ["them"], ["him"], ["her"])
     keeps = relation.canonical == "with" and not pronoun or worn or scene
+    if op.canonical == "between" and not keeps:
+        raise ValueError(f"'between' follows {relation.form!r} in a chain: it may place "
+                         f"{' '.join(spans[k])!r} or the noun phrase before it (the held-out lists "
+                         "write it both ways: 'a spider on a web between two branches', 'an owl on a shelf "
+                         "between two plants'); write one clause per relation ('... and between "
+                         "...')")
     return subjects if keeps else [k]
 
 

@@ -40,8 +40,9 @@ SEP = "sep"
 # Relations that hold both ways, after which "and" may add a second object ("a pen beside a notebook
 # and a pencil"): "X next to A and B rel C" may be a list after "next to" or a new clause.
 PROXIMITY = frozenset({"next to", "close to"})
-# Pronouns read as the object of a relation ("a table with a vase on it"); the parser resolves them.
-PRONOUNS = frozenset({"it", "them"})
+# Pronouns read as the object of a relation ("a table with a vase on it", "five students behind
+# her"); the parser resolves them (`cast_core.csg.pronouns.object_pronoun`).
+PRONOUNS = frozenset({"it", "them", "him", "her"})
 STATEMENT_ENDS = (";", ".")
 PREDICATE_VERBS = frozenset({"is", "are"})
 # A pronoun and its verb (and a quantifier) opening a predication: "it is red", "they are both
@@ -125,7 +126,8 @@ def pronoun_subject(span: list[str]) -> tuple[int, str, str | None] | None:
 def _cut_before_predications(spans: list[list[str]],
                              ops: list[str | Relation]) -> list[Statement]:
     cuts = [k for k, op in enumerate(ops) if op == SEP and (is_predication(spans[k + 1])
-                                                              or pronoun_subject(spans[k + 1]))]
+                                                              or pronoun_subject(spans[k + 1])
+                                                              or _said_with_is(spans, ops, k))]
     statements, start = [], 0
     for k in cuts:
         statements.append((spans[start:k + 1], ops[start:k]))
@@ -133,11 +135,39 @@ def _cut_before_predications(spans: list[list[str]],
     return [*statements, (spans[start:], ops[start:])]
 
 
+def _said_with_is(spans: list[list[str]], ops: list[str | Relation], k: int) -> bool:
+    """Whether the span after separator k is a new statement "NP is REL ..." ("the sea is calm and
+    a small boat is on the sea"): singular "is" after a predication or a relation before it in
+    the statement, never after a bare list ("a cat and a dog are on a sofa": a list)."""
+    said = spans[k + 1][-1:] == ["is"] and isinstance(ops[k + 1] if k + 1 < len(ops) else None,
+                                                       Relation)
+    before = [op for op in ops[:k] if op != SEP]
+    return said and (is_predication(spans[0]) or bool(before))
+
+
+# Adverbs of place that end a statement, read as their relation to "it" or to each other
+# (thirteenth round): "a cake with a cherry on top" is "... on top of it", "a bottle with a ship
+# inside" "... inside it", "a red car and a blue car side by side" "... next to each other". Before
+# a comma ("a teapot with tea inside, next to two cups") they stay refused: the teapot's or the
+# tea's next relation?
+_ADVERBS: dict[tuple[str, ...], list[str]] = {
+    ("inside",): ["inside", "it"], ("on", "top"): ["on", "top", "of", "it"],
+    ("side", "by", "side"): ["next", "to", "each", "other"]}
+
+
+def _read_adverbs(tokens: list[str]) -> list[str]:
+    adverb = next((a for a in _ADVERBS if tuple(tokens[-len(a):]) == a), None)
+    if adverb is None or len(tokens) == len(adverb):
+        return tokens
+    return [*tokens[:-len(adverb)], *_ADVERBS[adverb]]
+
+
 def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation]]:
     """(spans, ops) of one statement's tokens: len(spans) == len(ops) + 1 and ops[k] joins
     spans[k] and spans[k + 1]."""
     spans: list[list[str]] = [[]]
     ops: list[str | Relation] = []
+    tokens = _read_adverbs(tokens)
     i = 0
     while i < len(tokens):
         form = _relation_at(tokens, i)

@@ -24,16 +24,18 @@ def object_pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], pro
     puppies in a basket and a kitten next to it": the basket); "them", where there is none, the
     only two noun phrases other than the subjects, each of one and neither an "of" noun ("a black
     car next to a white car and a gray car behind them": both; thirteenth round, as the lists
-    write it). Several or none is an error naming them."""
+    write it); "him" and "her" the one person of one (`persons`: "a teacher in front of a blackboard
+    and five students behind her"). Several or none is an error naming them."""
     plural = word == "them"
-    found = [i for i, p in enumerate(phrases) if i not in subjects and (p.count > 1) == plural]
+    found = [i for i, p in enumerate(phrases) if i not in subjects and (p.count > 1) == plural
+             and (word in ("it", "them") or is_person(p))]
     others = [i for i in range(len(phrases)) if i not in subjects]
     if len(found) == 1:
         return (found[0],)
     if plural and not found and len(others) == 2 and not any(" of " in phrases[i].noun
                                                                for i in others):
         return tuple(others)
-    number = "two or more (or the only two of one)" if plural else "one"
+    number = {"them": "two or more (or the only two of one)", "it": "one"}.get(word, "one person")
     shown = [shown_phrase(phrases[i]) for i in found]
     said = f"{relation.form} {word}"
     if not found:
@@ -98,6 +100,10 @@ def clause_subject(edges: list[tuple[int, str, int]], opens: bool,
         if i not in placed:
             return None  # a new clause's subject
         placed.add(j)
-    phrase = phrases[subject]
-    person = phrase.noun in PERSONS or phrase.noun.split(" ")[-1] in PERSONS
-    return subject if phrase.count == 1 and not person else None
+    return subject if phrases[subject].count == 1 and not is_person(phrases[subject]) else None
+
+
+def is_person(phrase: NounPhrase) -> bool:
+    """Whether a noun phrase names people (`persons`, by its noun or its last word: "police
+    officer")."""
+    return phrase.noun in PERSONS or phrase.noun.split(" ")[-1] in PERSONS
