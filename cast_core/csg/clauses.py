@@ -13,18 +13,11 @@ phrase is part of one colour ("a black and white cat"). The edge rules and the a
 that raise are those of the parser's docstring: a relation takes the list after it as objects;
 "and" + relation keeps the subject; a phrase after the first object that is followed by a relation
 starts a new clause; a list before the first relation gives each listed noun phrase the relation
-("a cat and a dog on a sofa": both are on it); in a chain ("A on B next to C") the second relation
-places the noun phrase it follows (B), or the subject (A) after "with" and after "in" a garment
-("a girl in a yellow raincoat next to a red umbrella": wearing); after "in" a container it places
-the container ("a cat in a basket on a sofa"); after a ground, "under" the sky places the subject
-("a cow on a hill under a gray sky"); places: `cast_core.csg.places`. A chain whose later
-relation is "with" ("a girl on a bench with a dog"), unless the subject has a "with" too ("a man
-with an umbrella next to a woman with a dog": the woman's) or the relation before it is one of
-`WITH_AFTER` ("a boat near a dock with two buoys": the dock's), or whose first relation is "in"
-something neither a garment nor a container, "with" after a list ("a cat and a dog with a
-collar": whose?), "between" followed by a list of more than two or by a relation after its list
-("a lamp between a bed and a desk on a rug"), and a new clause after two or more objects raise
-ValueError saying why.
+("a cat and a dog on a sofa": both are on it); a chain ("A on B next to C") is read by
+`cast_core.csg.chains`, places by `cast_core.csg.places`. "with" after a list ("a cat and a dog
+with a collar": whose?), "between" followed by a list of more than two or by a relation after its
+list ("a lamp between a bed and a desk on a rug"), a new clause after two or more objects, and the
+chains the lists read both ways raise ValueError saying why.
 """
 
 from __future__ import annotations
@@ -33,32 +26,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
-from cast_core.csg.places import is_place, read_places
+from cast_core.csg.chains import chain_subjects
+from cast_core.csg.places import read_places
 from cast_core.csg.vocab import (
     ATTRIBUTE_KIND,
-    CONTAINERS,
-    GARMENTS,
     POSTURE_VERBS,
     RELATION_FORMS,
     RELATION_PHRASES,
-    SCENE_GROUNDS,
-    SKY_OBJECTS,
     STATES_BEFORE_NOUN_ONLY,
-    singularize,
 )
 
 SEP = "sep"
 # Relations that hold both ways, after which "and" may add a second object ("a pen beside a notebook
 # and a pencil"): "X next to A and B rel C" may be a list after "next to" or a new clause.
 PROXIMITY = frozenset({"next to", "close to"})
-# Relations between two objects apart, after which "with" in a chain is the object's ("a boat near
-# a dock with two buoys": the dock's; "a kid next to a snowman with a red scarf"), as every list
-# writes it (15 of 15). After "on", "in", "on top of", "against", "around" and "between" the lists
-# write it both ways ("a bear on a rock with two cubs", "a mug on a saucer with a spoon").
-WITH_AFTER = frozenset({"next to", "close to", "behind", "in front of", "above", "below",
-                        "left of", "right of"})
-# Pronouns read as the object of a relation ("a table with a vase on it"); the parser resolves them.
-PRONOUNS = frozenset({"it", "them"})
+# Pronouns read as the object of a relation ("a table with a vase on it", "five students behind
+# her"); the parser resolves them (`cast_core.csg.pronouns.object_pronoun`).
+PRONOUNS = frozenset({"it", "them", "him", "her"})
 STATEMENT_ENDS = (";", ".")
 PREDICATE_VERBS = frozenset({"is", "are"})
 # A pronoun and its verb (and a quantifier) opening a predication: "it is red", "they are both
@@ -142,7 +126,8 @@ def pronoun_subject(span: list[str]) -> tuple[int, str, str | None] | None:
 def _cut_before_predications(spans: list[list[str]],
                              ops: list[str | Relation]) -> list[Statement]:
     cuts = [k for k, op in enumerate(ops) if op == SEP and (is_predication(spans[k + 1])
-                                                              or pronoun_subject(spans[k + 1]))]
+                                                              or pronoun_subject(spans[k + 1])
+                                                              or _said_with_is(spans, ops, k))]
     statements, start = [], 0
     for k in cuts:
         statements.append((spans[start:k + 1], ops[start:k]))
@@ -150,11 +135,39 @@ def _cut_before_predications(spans: list[list[str]],
     return [*statements, (spans[start:], ops[start:])]
 
 
+def _said_with_is(spans: list[list[str]], ops: list[str | Relation], k: int) -> bool:
+    """Whether the span after separator k is a new statement "NP is REL ..." ("the sea is calm and
+    a small boat is on the sea"): singular "is" after a predication or a relation before it in
+    the statement, never after a bare list ("a cat and a dog are on a sofa": a list)."""
+    said = spans[k + 1][-1:] == ["is"] and isinstance(ops[k + 1] if k + 1 < len(ops) else None,
+                                                       Relation)
+    before = [op for op in ops[:k] if op != SEP]
+    return said and (is_predication(spans[0]) or bool(before))
+
+
+# Adverbs of place that end a statement, read as their relation to "it" or to each other
+# (thirteenth round): "a cake with a cherry on top" is "... on top of it", "a bottle with a ship
+# inside" "... inside it", "a red car and a blue car side by side" "... next to each other". Before
+# a comma ("a teapot with tea inside, next to two cups") they stay refused: the teapot's or the
+# tea's next relation?
+_ADVERBS: dict[tuple[str, ...], list[str]] = {
+    ("inside",): ["inside", "it"], ("on", "top"): ["on", "top", "of", "it"],
+    ("side", "by", "side"): ["next", "to", "each", "other"]}
+
+
+def _read_adverbs(tokens: list[str]) -> list[str]:
+    adverb = next((a for a in _ADVERBS if tuple(tokens[-len(a):]) == a), None)
+    if adverb is None or len(tokens) == len(adverb):
+        return tokens
+    return [*tokens[:-len(adverb)], *_ADVERBS[adverb]]
+
+
 def split_items(tokens: list[str]) -> tuple[list[list[str]], list[str | Relation]]:
     """(spans, ops) of one statement's tokens: len(spans) == len(ops) + 1 and ops[k] joins
     spans[k] and spans[k + 1]."""
     spans: list[list[str]] = [[]]
     ops: list[str | Relation] = []
+    tokens = _read_adverbs(tokens)
     i = 0
     while i < len(tokens):
         form = _relation_at(tokens, i)
@@ -259,7 +272,7 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
         if op.also and relation is None:
             raise ValueError(f"'and {op.form}' needs a relation before it to share its subject")
         if not op.also and relation is not None and k == run[0]:
-            subjects = _chain_subjects(spans, k, op, relation, subjects, edges, setting)
+            subjects = chain_subjects(spans, k, op, relation, subjects, edges, setting)
         elif not op.also:
             before = subjects
             subjects = _next_subjects(k, op, relation, run, ops)
@@ -277,85 +290,6 @@ def clause_edges(spans: list[list[str]], ops: list[str | Relation],
         relation, run = op, [k + 1]
         edges += [(s, op.canonical, k + 1) for s in subjects]
     return edges
-
-
-def _chain_subjects(spans: list[list[str]], k: int, op: Relation, relation: Relation,
-                    subjects: list[int], edges: list[tuple[int, str, int]],
-                    setting: Callable[[list[str]], bool]) -> list[int]:
-    """The subjects of `op` in a chain "A rel B op C" (B is span k): B, the noun phrase it follows
-    ("a book on a table next to a lamp": the table), or A after "with" ("a girl with a kite next
-    to a tree": the girl), after "in" a garment (wearing: "a girl in a raincoat next to a tree")
-    and after "in"/"on" the scene (`is_scene`: "a fox in the snow next to a tree": the fox).
-    ValueError where the lists read it both ways, and after a place (`cast_core.csg.places`).
-    "under" the sky, sun, moon or stars after a ground places the subject (`sky_objects`)."""
-    if is_place(relation.form):
-        place = f"{relation.form} {' '.join(spans[k])}"
-        raise ValueError(f"a chain goes on with {op.form!r} after {place!r}, a place inside a "
-                         f"noun phrase: {op.form!r} may place {' '.join(spans[k])!r} or the noun "
-                         "phrase before it; write one clause per relation ('... and "
-                         f"{op.form} ...')")
-    scene = relation.canonical in ("in", "on") and is_scene(spans[k])
-    sky = (op.canonical == "below" and setting(spans[k]) and bool(spans[k + 1])
-           and singularize(spans[k + 1][-1]) in SKY_OBJECTS)
-    scene = scene or sky
-    if op.canonical == "with" and scene:
-        return subjects
-    if op.canonical == "with":
-        if relation.canonical not in WITH_AFTER and not any(
-                s in subjects and rel == "with" for s, rel, _ in edges):
-            raise ValueError(f"'with' follows the relation {relation.form!r} in a chain: the "
-                             "noun phrase it belongs to (the first one or the one right before "
-                             "it) is ambiguous; only 'A with B rel C with D' and 'with' after "
-                             f"{sorted(WITH_AFTER)} read it as the one right before it")
-        return [k]
-    worn = relation.form == "in" and _in_reading(spans[k]) == "wearing"
-    if relation.form == "in" and not worn and _in_reading(spans[k]) is None \
-            and not setting(spans[k]):
-        raise ValueError(f"a chain starts with 'in' and goes on with {op.form!r}: 'in' may mean "
-                         "wearing ('a girl in a yellow raincoat next to a red umbrella': the girl "
-                         "is next to it) or containment ('a cat in a basket on a sofa': the basket "
-                         f"is on it), and {' '.join(spans[k])!r} is neither a garment nor a "
-                         "container the vocabulary lists (`garments`, `containers`), so which noun "
-                         f"phrase {op.form!r} places is ambiguous; write one clause per relation ('a "
-                         "girl in a yellow raincoat and next to a red umbrella')")
-    if relation.canonical != "with" and not worn and setting(spans[k]) and not scene:
-        raise ValueError(f"a chain goes through {' '.join(spans[k])!r}, a ground or scene, and "
-                         f"on with {op.form!r}: it may place {' '.join(spans[k])!r} or the noun "
-                         "phrase before it ('a boat on the water next to a pier': the boat is "
-                         f"next to it); write one clause per relation ('... and {op.form} ...')")
-    if (worn or scene) and subjects[0] > 0:
-        raise ValueError(f"{' '.join(spans[subjects[0]])!r} starts a later clause and is "
-                         f"{relation.form} {' '.join(spans[k])!r}, then {op.form!r}: it may place "
-                         f"{' '.join(spans[subjects[0]])!r} alone or every noun phrase before it "
-                         "('a woman in a red dress and a man in a suit in front of a church'); "
-                         "write the shared place as its own statement")
-    # after "with", a pronoun object names the subject: "a table with a vase on it" is the vase
-    # on the table
-    pronoun = spans[k + 1] in (["it"], ["them"])
-    keeps = relation.canonical == "with" and not pronoun or worn or scene
-    return subjects if keeps else [k]
-
-
-def is_scene(span: list[str]) -> bool:
-    """Whether a noun phrase is the scene around its subject: "the", "a" or "an" + one of
-    `SCENE_GROUNDS` ("in the snow", "on the grass", "in a desert", "in a meadow") or the bare
-    ground after attributes ("in tall grass")."""
-    if not span or singularize(span[-1]) not in SCENE_GROUNDS:
-        return False
-    words = span[1:] if span[0] in ("the", "a", "an") else span
-    return all(w in ATTRIBUTE_KIND for w in words[:-1])
-
-
-def _in_reading(span: list[str]) -> str | None:
-    """"wearing" when the noun phrase after "in" is a garment ("a yellow raincoat"),
-    "containment" when it is a container ("a wicker basket", "a fish tank", "a rocking chair":
-    its last word or a listed two-word noun), else None."""
-    words = span[:span.index("of")] if "of" in span else span
-    head = singularize(words[-1]) if words else ""
-    if head in GARMENTS:
-        return "wearing"
-    pair = singularize(" ".join(words[-2:])) if len(words) > 1 else ""
-    return "containment" if head in CONTAINERS or pair in CONTAINERS else None
 
 
 def open_joins(spans: list[list[str]], ops: list[str | Relation]) -> list[int]:

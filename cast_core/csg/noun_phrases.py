@@ -130,7 +130,7 @@ def check_possessives(spans: list[list[str]], ops: list[str | Relation], prompt:
         later = next((k for k in range(1, len(ops)) if isinstance(ops[k], Relation)), len(ops))
         objects = set(range(1, later + 1))
     for i, span in enumerate(spans):
-        if span[:1] and span[0] in POSSESSIVES and i not in objects:
+        if len(span) > 1 and span[0] in POSSESSIVES and i not in objects:
             raise fail(prompt, f"{' '.join(span)!r}: the offline parser reads 'its', 'his', "
                                f"'her', 'their' only after the first relation of a noun phrase "
                                f"that owns it ('a dog with its ball'); here whose it is, or "

@@ -2,8 +2,8 @@
 `cast_core.csg.geneval`).
 
 Grammar (GenEval's six templates and the shapes world's forms are all instances):
-    prompt    := [PREFIX] ["there is " | "there are "] statement ( (";" | ".") statement )* ["."]
-                                                                    PREFIX: "a photo of ", ...
+    prompt    := [PREFIX] ["there is " | "there are " | "there's "] statement ( (";" | ".")
+                 statement )* ["."]                                 PREFIX: "a photo of ", ...
     statement := clause ( SEP clause )*  |  the-NP (is|are) ATTRIBUTE ( SEP ATTRIBUTE )*
                | the-NP (is|are) REL NP ( SEP NP )*
     clause    := NP  |  NP REL NP ( SEP NP )* ( (SEP | "") REL NP ( SEP NP )* )*
@@ -43,7 +43,10 @@ other" (near, close to) is one edge from A to B; one more relation after it plac
 and a cat near each other on a rug"). A predication on a pronoun ("it is red", "they are
 both brown", "each of them empty") names the one noun phrase of that number, or the one list,
 written before ("they are all" among several: the one that holds every other), or "they" the only
-two noun phrases of one ("a dog next to a cat; they are both sleeping") (`cast_core.csg.references.pronoun_targets`); "its", "his", "her", "their" read as
+two noun phrases of one ("a dog next to a cat; they are both sleeping"), or "it" among several the
+subject of a first statement of one clause ("a vase on a shelf; it is blue"); "them" as an
+object may name the only two noun phrases of one ("a gray car behind them")
+(`cast_core.csg.pronouns`); "its", "his", "her", "their" read as
 a/an ("a dog with its red ball"), "a horse's back" (a part) as its owner, and a mass noun after a
 relation needs no article ("a tiger lying in tall grass"). Back-references and predications:
 `cast_core.csg.references` (a reference must name exactly one earlier noun phrase; a predication
@@ -77,9 +80,10 @@ plurals ("two sheep") cannot be told apart from it.
 Node order is the order of appearance; edge k is "rel{k}" in order of appearance. Atoms and their
 questions: `cast_core.csg.questions` (shared with the LLM builder).
 
-Here: prompts, statements and clauses. One noun phrase: `cast_core.csg.noun_phrases` (its words:
-`words`; why they do not read: `refusals`); predications: `cast_core.csg.predicates`; the noun
-phrase type, the error and the graph they make: `cast_core.csg.build`.
+Here: prompts, statements and clauses. Clause structure: `cast_core.csg.clauses` (chains:
+`chains`; places: `places`); one noun phrase: `cast_core.csg.noun_phrases` (its words: `words`;
+why they do not read: `refusals`); predications: `cast_core.csg.predicates`; pronouns:
+`pronouns`; the noun phrase type, the error and the graph they make: `cast_core.csg.build`.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ from cast_core.csg.noun_phrases import (
     read_reference,
 )
 from cast_core.csg.predicates import apply_predicate, apply_pronoun_predicate
+from cast_core.csg.pronouns import clause_subject, object_pronoun
 from cast_core.csg.refusals import unsupported_construct
 from cast_core.csg.vocab import (
     ATTRIBUTE_KIND,
@@ -115,9 +120,13 @@ from cast_core.csg.vocab import (
 __all__ = ["MAX_PROMPT_CHARS", "PREFIX", "PREFIXES", "parse_prompt"]
 
 PREFIX = "a photo of "
-PREFIXES: tuple[str, ...] = (PREFIX, "an image of ", "a picture of ")
+# A picture of the whole scene, dropped ("a close-up of a ladybug on a leaf": since the thirteenth
+# round, as every list writes them); "a painting of" stays an object ("a painting of a ship above
+# a fireplace" hangs there).
+PREFIXES: tuple[str, ...] = (PREFIX, "an image of ", "a picture of ", "a photograph of ",
+                             "an illustration of ", "a close-up of ", "a close up of ")
 # Said before the first noun phrase and dropped: "there is a cat on a mat" is "a cat on a mat".
-THERE_PREFIXES: tuple[str, ...] = ("there is ", "there are ")
+THERE_PREFIXES: tuple[str, ...] = ("there is ", "there are ", "there's ")
 MAX_PROMPT_CHARS = 400
 # Relations that hold both ways, so "A and B next to each other" is one edge from A to B.
 _BOTH_WAYS = frozenset({"next to", "close to"})
@@ -150,9 +159,10 @@ def parse_prompt(prompt: str, tag: str | None = None,
     edges: list[tuple[int, str, int]] = []
     groups: list[tuple[int, ...]] = []  # lists of noun phrases, which "they" may name
     opening = True  # no noun phrase written with a/an or a count yet
+    lead = None  # the first statement's subject, which "it" names in the second (`clause_subject`)
     for n, (spans, ops) in enumerate(statements):
         if pronoun_subject(spans[0]) is not None:
-            apply_pronoun_predicate(spans, ops, phrases, groups, prompt)
+            apply_pronoun_predicate(spans, ops, phrases, groups, prompt, lead if n == 1 else None)
             continue
         relates = spans[0][-1:] in (["is"], ["are"]) and ops and isinstance(ops[0], Relation)
         if is_predication(spans[0]) and not relates:
@@ -168,8 +178,10 @@ def parse_prompt(prompt: str, tag: str | None = None,
             edges.append((left, "left of", start + 1 if sides == "left" else start))
             opening = False
             continue
-        edges += _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
-                         opening and bool(relates), groups)
+        found = _clause(spans, ops, phrases, prompt, listed, n == 0 and body == text,
+                        opening and bool(relates), groups)
+        lead = clause_subject(found, bool(ops) and isinstance(ops[0], Relation), phrases)
+        edges += found
         opening = opening and all(span[:1] in (["the"], ["each"]) for span in spans)
     repeated = sorted({e for e in edges if edges.count(e) > 1})
     if repeated:
@@ -195,13 +207,16 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     if each_other:
         local, spans, ops = each_other
     roles, index = _roles(ops), []
+    also: dict[int, tuple[int, ...]] = {}  # "them" naming two noun phrases: the second's index
     spans = [owner_span(span, prompt) for span in spans]
     check_possessives(spans, ops, prompt)
     for i, span in enumerate(spans):
         if len(span) == 1 and span[0] in PRONOUNS and i > 0 and isinstance(ops[i - 1], Relation):
             subjects = {index[s] for s, _, j in local if j == i and s < i}
             head = index[0] if len(spans) == 3 and i == 2 and ops[0] == SEP else None
-            index.append(_pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1]))
+            named = object_pronoun(span[0], subjects - {head}, phrases, prompt, ops[i - 1])
+            index.append(named[0])
+            also.update({i: named[1:]} if len(named) > 1 else {})
             if index[-1] == head:
                 # "a large bowl and three oranges in it": the oranges are in the bowl
                 local = [e for e in local if e[0] != 0]
@@ -217,8 +232,9 @@ def _clause(spans: list[list[str]], ops: list[str | Relation], phrases: list[Nou
     if not local and all(span[:1] == ["the"] for span in spans):
         raise fail(prompt, f"statement {' '.join(' '.join(span) for span in spans)!r} only names "
                            "noun phrases written before it and says nothing about them")
-    _check_edges(local, spans, index, phrases, prompt)
-    edges = [(index[i], relation, index[j]) for i, relation, j in local]
+    _check_edges(local, spans, index, phrases, prompt, also)
+    edges = [(index[i], relation, k) for i, relation, j in local
+             for k in (index[j], *also.get(j, ()))]
     if groups is not None:
         # "A and B near each other [on C]": A and B are a list, as the subjects of "on" are
         found = _lists(edges[1:] if each_other else edges, index)
@@ -250,7 +266,11 @@ def _unpose(span: list[str], relation: Relation, phrases: list[NounPhrase], at: 
 
 
 def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], index: list[int],
-                 phrases: list[NounPhrase], prompt: str) -> None:
+                 phrases: list[NounPhrase], prompt: str,
+                 also: dict[int, tuple[int, ...]]) -> None:
+    """Refuse a relation of a noun phrase to itself, "in a row", and "between" other than one
+    noun phrase of two or more or two of one (`also`: the second noun phrase "them" names, by
+    span)."""
     for i, relation, j in local:
         if index[i] == index[j]:
             raise fail(prompt, f"it relates {' '.join(spans[i])!r} to "
@@ -259,8 +279,9 @@ def _check_edges(local: list[tuple[int, str, int]], spans: list[list[str]], inde
             raise fail(prompt, f"'in {' '.join(spans[j])}' reads as an arrangement ('parked in a "
                                f"row'), not an object; {LLM_HINT}")
         pair = [b for a, r, b in local if (a, r) == (i, "between")]
+        named = [k for b in pair for k in (index[b], *also.get(b, ()))]
         if relation == "between" and phrases[index[j]].count < 2 and (
-                len(pair) != 2 or any(phrases[index[b]].count != 1 for b in pair)):
+                len(named) != 2 or any(phrases[k].count != 1 for k in named)):
             raise fail(prompt, f"'between' needs one noun phrase of two or more after it ('a "
                                f"lamp between two chairs') or two of one ('a lamp between a bed "
                                f"and a desk'), not {' or '.join(' '.join(spans[b]) for b in pair)!r}"
@@ -297,27 +318,6 @@ def _check_open_joins(spans: list[list[str]], ops: list[str | Relation], index: 
                            f"'{second.form} {c}' may place it alone or every noun phrase before "
                            f"it (a list or a new clause?); write a comma before 'and' for a new "
                            f"clause ('..., and {b} {second.form} {c}'), or {LLM_HINT}")
-
-
-def _pronoun(word: str, subjects: set[int], phrases: list[NounPhrase], prompt: str,
-             relation: Relation) -> int:
-    """Index of the one noun phrase written before that "it" (one) or "them" (two or more) names
-    as the object of `relation`: the only one of that number other than the relation's subjects
-    ("three puppies in a basket and a kitten next to it": the basket). Several or none is an
-    error naming them."""
-    plural = word == "them"
-    found = [i for i, p in enumerate(phrases) if i not in subjects and (p.count > 1) == plural]
-    if len(found) == 1:
-        return found[0]
-    number = "two or more" if plural else "one"
-    shown = [" ".join([str(phrases[i].count), *(v for _, v in phrases[i].attributes),
-                       phrases[i].noun]) for i in found]
-    said = f"{relation.form} {word}"
-    if not found:
-        raise fail(prompt, f"{said!r} names no noun phrase of {number} written before it; "
-                           f"name the object ('{relation.form} the ...') or {LLM_HINT}")
-    raise fail(prompt, f"{said!r} could name any of {shown}; name the object ('{relation.form} "
-                       f"the ...') or {LLM_HINT}")
 
 
 def _is_setting(span: list[str]) -> bool:

@@ -1,7 +1,7 @@
 """Predications, which add attributes to noun phrases written before, in place: "the cup is red [and
 shiny]", "the gate is made of iron", a possessive subject ("a black cat; the cat's collar is red":
 the cat with a collar, which is red), and a pronoun subject ("it is red", "they are both brown",
-"each of them empty": `cast_core.csg.references.pronoun_targets`). A relation after the verb ("the
+"each of them empty": `cast_core.csg.pronouns.pronoun_targets`). A relation after the verb ("the
 cup is next to a plate") is a clause, read by `cast_core.csg.parser`.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 from cast_core.csg.build import LLM_HINT, NounPhrase, fail
 from cast_core.csg.clauses import PREDICATE_VERBS, Relation, pronoun_subject
 from cast_core.csg.noun_phrases import check_kind_words, read_phrase, read_reference
-from cast_core.csg.references import pronoun_targets, with_attributes
+from cast_core.csg.pronouns import pronoun_targets
+from cast_core.csg.references import with_attributes
 from cast_core.csg.refusals import unsupported_construct
 from cast_core.csg.vocab import (
     ATTRIBUTE_KIND,
@@ -82,9 +83,10 @@ def _possessed_subject(subject: list[str], phrases: list[NounPhrase],
 
 def apply_pronoun_predicate(spans: list[list[str]], ops: list[str | Relation],
                             phrases: list[NounPhrase], groups: list[tuple[int, ...]],
-                            prompt: str) -> None:
+                            prompt: str, lead: int | None = None) -> None:
     """Apply "it is red", "they are both brown", "each of them empty" to the noun phrases the
-    pronoun names (`cast_core.csg.references.pronoun_targets`), in place."""
+    pronoun names (`cast_core.csg.pronouns.pronoun_targets`; `lead`: the subject of the clause
+    before it, which "it" names among several), in place."""
     at, pronoun, quantifier = pronoun_subject(spans[0])
     said = " ".join(spans[0][:at])
     if any(isinstance(op, Relation) for op in ops) or not all(spans[1:]):
@@ -94,7 +96,7 @@ def apply_pronoun_predicate(spans: list[list[str]], ops: list[str | Relation],
     words = spans[0][at:] + [w for span in spans[1:] for w in span]
     attributes = _predicate_attributes(words, spans[0][at - 1], said, prompt)
     try:
-        targets = pronoun_targets(pronoun, quantifier, phrases, groups)
+        targets = pronoun_targets(pronoun, quantifier, phrases, groups, lead)
         for i in targets:
             phrases[i] = with_attributes(phrases[i], attributes, said, ATTRIBUTE_KINDS)
     except ValueError as err:

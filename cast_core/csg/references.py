@@ -30,11 +30,11 @@ def antecedent(text: str, readings: list[Reading], phrases: list[NounPhrase]) ->
     if len(found) == 1:
         return found[0]
     if not found:
-        same = [_shown(p) for p in phrases if any(_same_noun(r[0], p.noun) for r in readings)]
+        same = [shown_phrase(p) for p in phrases if any(_same_noun(r[0], p.noun) for r in readings)]
         hint = f" (before it: {same})" if same else ""
         raise ValueError(f"{text!r} names no noun phrase written before it{hint}; introduce each "
                          f"object with a/an or a count, then refer to it as 'the ...'")
-    raise ValueError(f"{text!r} could name any of {[_shown(phrases[i]) for i in found]}; name it "
+    raise ValueError(f"{text!r} could name any of {[shown_phrase(phrases[i]) for i in found]}; name it "
                      f"by an attribute that tells them apart")
 
 
@@ -58,7 +58,8 @@ def _same_noun(said: str, written: str) -> bool:
             or written.startswith(said + " of "))
 
 
-def _shown(phrase: NounPhrase) -> str:
+def shown_phrase(phrase: NounPhrase) -> str:
+    """A noun phrase as error messages show it: "1 red cup"."""
     words = [v for _, v in phrase.attributes] + [phrase.noun]
     return " ".join([str(phrase.count), *words])
 
@@ -74,38 +75,3 @@ def with_attributes(phrase: NounPhrase, attributes: tuple[tuple[str, str], ...],
         raise ValueError(f"{text!r} is said to be {now!r}, but its {kind} was written as {was!r}")
     found.update(attributes)
     return replace(phrase, attributes=tuple((k, found[k]) for k in kinds if k in found))
-
-
-def pronoun_targets(pronoun: str, quantifier: str | None, phrases: list[NounPhrase],
-                    groups: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """Indices in `phrases` of what a predication's pronoun names: "it" the one noun phrase of one
-    written before ("five cookies on a plate; it is white"); "they" (also "both", "all of them",
-    "each of them") the one noun phrase of two or more or the one list of noun phrases in
-    `groups` ("three eggs in a bowl; they are brown", "a dog and a cat; they are both brown"),
-    "both" of two in all; with neither, the only two noun phrases, each of one and neither an
-    "of" noun ("a pair of boots"), written before ("a dog next to a cat; they are both
-    sleeping"). "all" ("they are all", "all of them") among several names the one that
-    holds every other ("three red balls and two blue cubes; they are all small": the list).
-    ValueError naming them when there are none or several."""
-    if pronoun == "it":
-        found = [(i,) for i, p in enumerate(phrases) if p.count == 1]
-    else:
-        found = sorted({(i,) for i, p in enumerate(phrases) if p.count > 1} | set(groups))
-        if not found and len(phrases) == 2 and not any(" of " in p.noun for p in phrases):
-            found = [(0, 1)]  # not beside "a pair of boots", which "they" may name alone
-    whole = [g for g in found if all(set(other) <= set(g) for other in found)]
-    found = whole if quantifier == "all" and len(found) > 1 and whole else found
-    shown = [" and ".join(_shown(phrases[i]) for i in group) for group in found]
-    said = pronoun if quantifier is None else f"{pronoun} ({quantifier})"
-    if len(found) > 1:
-        raise ValueError(f"{said!r} could name any of {shown}; name it ('the ... is|are ...')")
-    number = "one" if pronoun == "it" else ("two or more, or a list of noun phrases (or the "
-                                            "only two noun phrases, each of one)")
-    if not found:
-        raise ValueError(f"{said!r} names no noun phrase of {number} written before it; name it "
-                         "('the ... is|are ...')")
-    if quantifier == "both" and sum(phrases[i].count for i in found[0]) != 2:
-        raise ValueError(f"'both' names {shown[0]!r}, which is not two; name it ('the ... are "
-                         "...')")
-    return found[0]
-

@@ -77,6 +77,9 @@ def unsupported_construct(words: list[str]) -> str | None:
                    f"does not read"
         if later and word in VERBS:
             return f"it has a verb ({word!r}), which the offline parser does not read"
+        if later and word == "than":
+            return (f"it has a comparison ({' '.join(words[i - 1:i + 1])!r}), which the offline "
+                    "parser does not read")
         if later and word == "of" and words.count("of") > 1:
             return f"it has 'of' {words.count('of')} times ({' '.join(words)!r}), which the " \
                    f"offline parser does not read"

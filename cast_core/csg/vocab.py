@@ -74,6 +74,9 @@ VERBS: frozenset[str] = frozenset(_DATA["verbs"]) | POSTURE_VERBS
 STATES_BEFORE_NOUN_ONLY: frozenset[str] = frozenset(_DATA["states_before_noun_only"])
 OF_HEADS: frozenset[str] = frozenset(_DATA["of_heads"])
 CLAUSE_WORDS: frozenset[str] = frozenset(_DATA["clause_words"])
+# People, whom "it" never names ("a boy next to a kite; it is red": the kite), so "it" after a
+# clause whose subject is one is not read as that subject (thirteenth round).
+PERSONS: frozenset[str] = frozenset(_DATA["persons"])
 
 
 def _attribute_kinds() -> dict[str, str]:
