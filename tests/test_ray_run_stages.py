@@ -20,7 +20,8 @@ from tasks.stages.calibrate_window import calibrate_window
 from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.stages.models import builder_id
 from tasks.stages.policy_state import base_policy
-from tasks.stages.ray_workers import PolicyWorker, executor, init_ray
+from tasks.stages.ray_actors import PolicyWorker
+from tasks.stages.ray_workers import executor, init_ray
 from tasks.store.store import Store
 from tests.pipeline_helpers import ci_recipe, reference
 from tests.test_ray_executor import RAY
