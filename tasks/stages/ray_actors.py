@@ -18,6 +18,7 @@ Nothing here imports Ray: `ray_workers.connect` makes these classes actors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -89,14 +90,16 @@ class PolicyWorker:
         with reference_mode(backbone) if policy.lora_path is None else nullcontext():
             return estimate(recipe, config, backbone, score)
 
-    def calibration_curves(self, recipe: Recipe, prompts: list[str], seeds: list[int]
-                           ) -> MeasuredCurves:
+    def calibration_curves(self, recipe: Recipe, prompts: list[str], seeds: list[int],
+                           progress: Callable[[int], object] | None = None) -> MeasuredCurves:
         """`calibrate_window.measure_curves` on the held backbone with its adapter off (the base
-        model, as the local stage's `load_base`); the embedder is loaded for the call."""
+        model, as the local stage's `load_base`); the embedder is loaded for the call.
+        `progress` is called after each ODE step of each chunk (a `ray_progress.Tally`, which
+        counts it for the flow's progress bar)."""
         set_threads(recipe)
         backbone = self.resident.base(recipe)
         with reference_mode(backbone):
-            return measure_curves(backbone, recipe, prompts, seeds)
+            return measure_curves(backbone, recipe, prompts, seeds, progress)
 
     def csg_rows(self, recipe: Recipe, lines: list[tuple[int, dict]]) -> CsgRows:
         """`build_csgs.csg_rows` with the recipe's builder (a local LLM) loaded for the call; it

@@ -12,10 +12,11 @@ The training runs on the first `ray.train_workers` policy actors, data-parallel 
 several, and rank 0 writes. The samples to score are split between the scorer actors, each with
 all its atoms. An evaluation (`tasks.stages.evaluate`) samples on the policy actors in shards of
 whole chunks and scores on the scorer actors. ReCAST's gains, the window calibration's curves
-and a local LLM builder's graphs are computed on the first policy actor. The stage's completion
-record is written by `run_stage` after the body returns, so after every shard has finished. A
-remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on other machines:
-the scorer actors then call it.
+(its progress relayed to the stage's bar here, `tasks.stages.ray_progress`) and a local LLM
+builder's graphs are computed on the first policy actor. The stage's completion record is written
+by `run_stage` after the body returns, so after every shard has finished. A remote scorer
+service (`scorer.kind = "remote"`) stays the option for scorers on other machines: the scorer
+actors then call it.
 
 Scheduling is Ray's: actors are placed by the resources they reserve (`[ray]` section), named
 per run (`<run>-policy-<i>`, `<run>-scorer-<i>` in namespace "cast", so a later flow run on the
@@ -43,9 +44,10 @@ from cast_core.csg.graph import SceneGraph
 from cast_core.recast_gains import RecastGains
 from cast_core.rollout import Rollout
 from tasks.stages.build_csgs import CsgRows
-from tasks.stages.calibrate_window import MeasuredCurves
+from tasks.stages.calibrate_window import MeasuredCurves, calibration_bar
 from tasks.stages.policy_state import PolicyState
 from tasks.stages.ray_actors import PolicyWorker, ScorerWorker
+from tasks.stages.ray_progress import remote_progress
 from tasks.stages.recast_gains import RecastConfig
 from tasks.stages.recipe import Recipe
 from tasks.stages.rollout import Sampled
@@ -120,10 +122,12 @@ class Workers:
 
     def calibration_curves(self, recipe: Recipe, prompts: list[str], seeds: list[int]
                            ) -> MeasuredCurves:
-        """The window calibration's curves, measured on the first policy actor."""
-        import ray
-
-        return ray.get(self.policy[0].calibration_curves.remote(recipe, prompts, seeds))
+        """The window calibration's curves, measured on the first policy actor; its progress
+        moves the local stage's bar here (`calibrate_window.calibration_bar`)."""
+        with remote_progress(*calibration_bar(len(prompts), recipe.sampling),
+                             _runtime_env()) as bar:
+            call = self.policy[0].calibration_curves.remote(recipe, prompts, seeds, bar.tally)
+            return bar.get([call])[0]
 
     def csg_rows(self, recipe: Recipe, lines: list[tuple[int, dict]]) -> CsgRows:
         """The build_csgs rows of the prompt file's `lines`, built on the first policy actor."""
