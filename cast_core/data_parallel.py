@@ -9,22 +9,33 @@ Every rank holds the same weights and optimizer state and knows every step's m s
 - Rank r of `world` takes the r-th of `world` contiguous parts of `idx` (sizes differ by at most
   one; a part may be empty) and backpropagates it in micro-batches, each weighted n / m (n its
   samples, m the whole step's) exactly as one process weights them.
+- A step's parts are cut from its indices as `arrange_steps` orders them: the same m samples as
+  the single process's step, reordered so that a sample returns to the rank that first
+  backpropagated it (its owner) while that rank's part has room, the others filling the parts
+  with room in rank order. The first inner epoch keeps the shuffle's order (no sample has an
+  owner yet), so its parts partition the N samples. Each later epoch reshuffles, so a step holds
+  some number o of a rank's own samples (hypergeometric around its part's size q = m / world):
+  cut in the shuffle's order, a rank's parts of E epochs would cover about
+  N (1 - (1 - 1/world)^E) samples; arranged, a rank receives only max(0, q - o) samples that are
+  not its own per step. The parts keep `Shard.sizes`, so a rank's compute per step is unchanged.
 - A rank holds only the rows of the samples it backpropagates (`Shard.rows`: the union of its
-  parts over the update's steps), `held` in sorted sample order; `local_rows` maps a sample
-  index to its row there. With one inner epoch the ranks' rows partition the N samples; with E
-  epochs a rank holds the samples of its parts in any of them (up to about N (1 - (1 - 1/world)^E)).
-  What every sample's statistics need (the stored log-probs of a step, the replayed ones) comes
-  from the rank that holds it through `gather_rows`.
+  parts over the arranged steps), `held` in sorted sample order; `local_rows` maps a sample
+  index to its row there. Rank r holds at most N_r + sum over the later epochs' steps of
+  max(0, q - o) rows (N_r its first epoch's samples), exactly its N_r with one optimizer step an
+  epoch (then o = q = N_r in every epoch), whatever the epochs. What every sample's statistics
+  need (the stored log-probs of a step, the replayed ones) comes from the rank that holds it
+  through `gather_rows`.
 - `all_reduce_grads` then *sums* the ranks' gradients: the sum is the gradient of the step's mean
   loss over all m samples whatever the parts' sizes. (Averaging over ranks, DDP's default, would
   weight a sample of a smaller part more.)
 - `gather_rows` concatenates per-sample results (the replayed log-probs) in rank order, which is
-  `idx` order, so the step's statistics and its finite-loss guard are the single process's on
-  every rank; every rank clips the same gradient and takes the same optimizer step, so the
-  weights stay equal without being broadcast.
+  the arranged `idx` order, so the step's statistics and its finite-loss guard are the single
+  process's on every rank; every rank clips the same gradient and takes the same optimizer step,
+  so the weights stay equal without being broadcast.
 
 Departure from one process: the same terms summed in another grouping (per rank, then across
-ranks), so the weights agree to float rounding, not bitwise, unless the micro-batches line up.
+ranks, and after the first epoch in the arranged order), so the weights agree to float rounding,
+not bitwise, unless the micro-batches line up.
 `SOLO` (world 1) communicates nothing, holds every row, and is the single-process update exactly.
 """
 
@@ -59,12 +70,44 @@ class Shard:
 
     def rows(self, steps: Sequence[Tensor]) -> Tensor:
         """The samples this rank backpropagates over an update whose optimizer steps take the
-        sample indices `steps` (each [m]): the union of its parts, sorted [<= N]."""
-        mine = [self.part(idx).cpu() for idx in steps]
+        sample indices `steps` (each [m], as the update shuffles them): the union of its parts
+        of the arranged steps (`arrange_steps`), sorted [<= N]."""
+        mine = [self.part(idx) for idx in arrange_steps(steps, self.world)]
         return torch.unique(torch.cat(mine)) if mine else torch.zeros(0, dtype=torch.long)
 
 
 SOLO = Shard(0, 1)
+
+
+def arrange_steps(steps: Sequence[Tensor], world: int) -> list[Tensor]:
+    """Each step's sample indices (each [m], the update's shuffle) reordered for `world` ranks
+    so that a sample's part is its owner's (the rank whose part took it first) while that part
+    has room (`Shard.sizes`); the samples left fill the parts with room in rank order, in step
+    order. The same on every rank; each step keeps its set of samples, and steps where no
+    sample has an owner yet (the first inner epoch) keep their order. One rank: `steps`."""
+    if world == 1:
+        return list(steps)
+    owner: dict[int, int] = {}
+    arranged = []
+    for idx in steps:
+        room = Shard(0, world).sizes(len(idx))
+        parts: list[list[int]] = [[] for _ in range(world)]
+        left = []
+        for i in idx.tolist():
+            r = owner.get(i)
+            if r is not None and len(parts[r]) < room[r]:
+                parts[r].append(i)
+            else:
+                left.append(i)
+        for r, part in enumerate(parts):
+            take = room[r] - len(part)
+            part.extend(left[:take])
+            left = left[take:]
+            for i in part:
+                owner.setdefault(i, r)
+        arranged.append(torch.tensor([i for part in parts for i in part], dtype=torch.long))
+    return arranged
+
 
 
 def local_rows(held: Tensor | None, n: int) -> Tensor:

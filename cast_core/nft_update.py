@@ -33,9 +33,10 @@ samples) with r > 1/2, the mean per-sample loss in ``t_buckets`` equal bins of [
 Data parallel (``shard``, ``cast_core.data_parallel``, as ``cast_core.policy``): every rank
 draws the same t and eps for all N samples and computes r from all N advantages, but holds x0
 only for its samples (``held``: ``Shard.rows`` of ``nft_step_indices``) and computes the old
-velocity only there; it backpropagates its contiguous part of each step's samples with the same
-n / m weights, the ranks' gradients and losses are summed, and the per-sample losses gathered in
-sample order for the t-bins, so every rank takes the single process's step (to float rounding).
+velocity only there; it backpropagates its contiguous part of each step's samples (as
+``arrange_steps`` orders them) with the same n / m weights, the ranks' gradients and losses are
+summed, and the per-sample losses gathered in sample order for the t-bins, so every rank takes the
+single process's step (to float rounding).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from cast_core.data_parallel import (
     SOLO,
     Shard,
     all_reduce_grads,
+    arrange_steps,
     gather_rows,
     held_rows,
     local_rows,
@@ -223,7 +225,8 @@ def nft_update(
     draws = _draws(backbone, x0, torch.arange(n) if held is None else held.cpu(), prompts,
                    config, guidance_scale, seed)
     out, taken = [], 0
-    for j, idx in enumerate(nft_step_indices(n, config, seed)):
+    steps = arrange_steps(nft_step_indices(n, config, seed), shard.world)
+    for j, idx in enumerate(steps):
         epoch, idx = j // config.steps_per_epoch, idx.to(x0.device)
         lr = lr_for_step(taken) if lr_for_step is not None else optimizer.param_groups[0]["lr"]
         for group in optimizer.param_groups:

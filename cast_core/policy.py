@@ -24,11 +24,12 @@ whole mini-batch would give. ``lr_for_step`` (optional) sets every param group's
 optimizer step from the number of steps this call has taken (skipped ones not counted; the caller
 adds its earlier steps, e.g. for a warm-up: ``lr_schedule.linear_warmup_lr``).
 Data parallel (``shard``, ``cast_core.data_parallel``): each rank runs the micro-batches of its
-contiguous part of every mini-batch with the same n / m weights, the ranks' gradients are summed
-before the clip, and the stored and replayed log-probs of the parts gathered before the
-statistics, so every rank takes the single process's step (to float rounding) on the mean over
-all m samples. A rank's rollout need hold only the rows of its parts (``held``: ``Shard.rows`` of
-``step_indices``).
+contiguous part of every mini-batch (its samples as ``arrange_steps`` orders them, which keeps
+a sample on one rank across inner epochs where it can) with the same n / m weights, the ranks'
+gradients are summed before the clip, and the stored and replayed log-probs of the parts
+gathered before the statistics, so every rank takes the single process's step (to float
+rounding) on the mean over all m samples. A rank's rollout need hold only the rows of its parts
+(``held``: ``Shard.rows`` of ``step_indices``).
 
 Guards: a step whose loss (so any of its micro-batches' losses) or accumulated grad norm is not
 finite gets its grads zeroed and no optimizer step; its ``UpdateStep`` says skipped=True and why.
@@ -73,6 +74,7 @@ from cast_core.data_parallel import (
     SOLO,
     Shard,
     all_reduce_grads,
+    arrange_steps,
     gather_rows,
     held_rows,
     local_rows,
@@ -318,7 +320,8 @@ def policy_update(
     local = local_rows(held, n)
     records: list[UpdateStep] = []
     taken = 0
-    for j, idx in enumerate(step_indices(n, config, shuffle_seed)):
+    steps = arrange_steps(step_indices(n, config, shuffle_seed), shard.world)
+    for j, idx in enumerate(steps):
         epoch, step = divmod(j, config.steps_per_epoch)
         if lr_for_step is not None:
             for group in optimizer.param_groups:

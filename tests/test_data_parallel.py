@@ -2,15 +2,16 @@
 and backpropagating its part of every optimizer step, end on the LoRA and AdamW state of the
 single-process update over all the step's samples (to 1e-6), for the spatial (CAST) and the
 scalar (Flow-GRPO) SDE objective and for the forward-process (NFT) objective with scalar and map
-advantages, with parts of unequal size and an empty one, and agree on the update's KL; the
-shard arithmetic itself is checked on plain inputs."""
+advantages, with parts of unequal size and an empty one, and over several inner epochs, and
+agree on the update's KL; the shard arithmetic itself is checked on plain inputs, and so is what
+a rank reads over several inner epochs: about its N / world samples, within a stated bound."""
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
-from cast_core.data_parallel import SOLO, Shard, local_rows
+from cast_core.data_parallel import SOLO, Shard, arrange_steps, local_rows
 from cast_core.lora import add_lora
 from cast_core.nft_update import NftConfig, nft_step_indices, nft_update
 from cast_core.policy import PolicyConfig, policy_update, step_indices
@@ -22,13 +23,20 @@ TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16
 PROMPTS = ["a photo of a red circle"] * 2 + ["a photo of two blue squares"] * 3
 SPEC = RolloutSpec(num_steps=4, guidance_scale=1.5, noise_level=0.7, sde_kind="flow_sde",
                    window=SdeWindow(1, 3))
-# (objective, steps_per_epoch, kl_beta): 5 samples in 1 step (parts 3 + 2), in 2 steps of 3 and
-# 2 (parts 2 + 1 and 1 + 1) with the KL to the reference, in 5 steps of 1 (rank 1's part empty)
-CASES = [("scalar", 1, 0.0), ("spatial", 2, 0.1), ("spatial", 5, 0.0)]
+# (objective, steps_per_epoch, kl_beta, inner_epochs): 5 samples in 1 step (parts 3 + 2), in 2
+# steps of 3 and 2 (parts 2 + 1 and 1 + 1) with the KL to the reference, in 5 steps of 1 (rank
+# 1's part empty), three epochs of 2 steps (the third's shuffle arranged back onto the owners)
+CASES = [("scalar", 1, 0.0, 1), ("spatial", 2, 0.1, 1), ("spatial", 5, 0.0, 1),
+         ("spatial", 2, 0.0, 3)]
+# the rows each rank holds: with one epoch its parts; with three, still its first epoch's (cut in
+# the shuffle's order, the third epoch's parts would make them 4 and 3)
+CASE_ROWS = [[3, 2], [3, 2], [5, 0], [3, 2]]
 # NFT (advantage, steps_per_epoch, inner_epochs): 6 samples (3 groups of 2) in one step (parts
-# 3 + 3), a map in 2 steps of 3 (parts 2 + 1), two epochs of 6 steps of 1 (rank 1's parts empty)
+# 3 + 3), a map in 2 steps of 3 (parts 2 + 1), two epochs of 6 steps of 1 (rank 1's parts empty),
+# a map in two epochs of 2 steps of 3 (the second epoch's first step arranged: one sample moves)
 NFT_PROMPTS = PROMPTS + ["a photo of a green triangle"]
-NFT_CASES = [("scalar", 1, 1), ("map", 2, 1), ("scalar", 6, 2)]
+NFT_CASES = [("scalar", 1, 1), ("map", 2, 1), ("scalar", 6, 2), ("map", 2, 2)]
+NFT_ROWS = [[3, 3], [4, 2], [6, 0], [5, 3]]
 
 
 def test_parts_are_contiguous_and_cover_the_step():
@@ -46,7 +54,65 @@ def test_parts_are_contiguous_and_cover_the_step():
     assert torch.equal(local_rows(None, 3), torch.arange(3))
 
 
-def _train(objective: str, steps: int, kl_beta: float, shard: Shard) -> dict:
+def test_later_epochs_are_arranged_onto_the_first_epochs_ranks():
+    """Epoch 1 cuts [3, 0] and [1, 2]: rank 0 owns 3 and 1, rank 1 owns 0 and 2. Epoch 2's
+    shuffle [2, 1], [0, 3] is reordered so that each sample returns to its owner ([1, 2],
+    [3, 0]); cut as shuffled, each rank would backpropagate all four samples."""
+    steps = [torch.tensor(s) for s in ([3, 0], [1, 2], [2, 1], [0, 3])]
+    assert [s.tolist() for s in arrange_steps(steps, 2)] == [[3, 0], [1, 2], [1, 2], [3, 0]]
+    assert [Shard(r, 2).rows(steps).tolist() for r in range(2)] == [[1, 3], [0, 2]]
+    assert arrange_steps(steps, 1) == steps
+    # an owner's part full: its third sample goes to the rank with room
+    full = [torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 3, 2])]
+    assert arrange_steps(full[:1] + [torch.tensor([2, 0, 1, 3])], 2)[1].tolist() == [0, 1, 2, 3]
+    assert arrange_steps([torch.tensor([0, 2, 1, 3]), full[0]], 2)[1].tolist() == [0, 2, 1, 3]
+
+
+def _read_bound(steps: list, shard: Shard, first: int) -> int:
+    """The most rows `Shard.rows` may hold (cast_core.data_parallel): the rank's samples of the
+    first epoch (the first `first` steps), N_r, plus, per later step, the room its part q has
+    after the o samples of its own that the step holds, max(0, q - o)."""
+    own = set(torch.cat([shard.part(idx) for idx in steps[:first]]).tolist())
+    later = [(shard.sizes(len(idx))[shard.rank], sum(i in own for i in idx.tolist()))
+             for idx in steps[first:]]
+    return len(own) + sum(max(0, q - o) for q, o in later)
+
+
+# (N, steps_per_epoch, inner_epochs, world, the most rows a rank reads / (N / world)): the shapes
+# recipes' update (128 samples, 2 steps of 64, 2 epochs) on 2 and 4 ranks, 4 epochs of 4 steps
+# of a FLUX.2-sized rollout (1152) on 8 ranks, one step an epoch, and a ragged split. Cut in the
+# shuffle's order the reads would be about N (1 - (1 - 1/world)^E) / (N / world): 1.5, 1.75,
+# 3.3, 3.3, 2.3
+READS = [(128, 2, 2, 2, 1.1), (128, 2, 2, 4, 1.25), (1152, 4, 4, 8, 1.25), (1152, 1, 4, 8, 1.0),
+         (97, 3, 3, 4, 1.5)]
+
+
+@pytest.mark.parametrize("n, steps, epochs, world, ratio", READS)
+def test_a_rank_reads_about_its_share_over_inner_epochs(n, steps, epochs, world, ratio):
+    """Every arranged step holds the shuffle's samples in parts of `Shard.sizes`; the first
+    epoch is cut as shuffled and its parts partition the N samples; a rank's rows are its first
+    epoch's samples plus at most the later steps' room (`_read_bound`), all of them with one
+    step an epoch, and at most `ratio` N / world."""
+    config = PolicyConfig(advantage="scalar", clip_range=0.2, steps_per_epoch=steps,
+                          inner_epochs=epochs)
+    for seed in range(3):
+        plan = step_indices(n, config, seed)
+        arranged = arrange_steps(plan, world)
+        assert [a.sort().values.tolist() for a in arranged] == [
+            p.sort().values.tolist() for p in plan]
+        assert all(torch.equal(a, p) for a, p in zip(arranged[:steps], plan[:steps]))
+        first = [Shard(r, world).rows(plan[:steps]) for r in range(world)]
+        assert sorted(torch.cat(first).tolist()) == list(range(n))
+        for r in range(world):
+            rows = Shard(r, world).rows(plan)
+            assert set(first[r].tolist()) <= set(rows.tolist())
+            assert len(rows) <= _read_bound(plan, Shard(r, world), steps)
+            assert len(rows) <= ratio * n / world
+            if steps == 1:
+                assert torch.equal(rows, first[r])
+
+
+def _train(objective: str, steps: int, kl_beta: float, epochs: int, shard: Shard) -> dict:
     """The LoRA, AdamW state and step records after one update of the tiny policy."""
     torch.manual_seed(0)
     model = ShapesBackbone(TINY).eval()
@@ -60,7 +126,7 @@ def _train(objective: str, steps: int, kl_beta: float, shard: Shard) -> dict:
            else torch.randn(5, 32, 32, generator=gen))
     optimizer = torch.optim.AdamW(lora, lr=1e-2, weight_decay=0.01)
     config = PolicyConfig(advantage=objective, clip_range=0.2, kl_beta=kl_beta,
-                          steps_per_epoch=steps, micro_batch=2)
+                          steps_per_epoch=steps, inner_epochs=epochs, micro_batch=2)
     held, split = None, None
     if shard.world > 1:  # the rank holds the rows of its own samples only
         plan = step_indices(len(PROMPTS), config, 5)
@@ -140,11 +206,12 @@ def _same_state(got: dict, want: dict, steps: int) -> None:
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_two_ranks_take_the_single_process_steps(two_ranks, case):
     want = _train(*CASES[case], SOLO)
-    # one inner epoch: the ranks hold disjoint rows of the 5 samples, those of their parts
-    assert [got["rows"] for got in two_ranks[case]] == [[3, 2], [3, 2], [5, 0]][case]
+    # the ranks hold disjoint rows of the 5 samples, those of their parts
+    assert [got["rows"] for got in two_ranks[case]] == CASE_ROWS[case]
     assert want["rows"] == 5
+    _, steps, _, epochs = CASES[case]
     for got in two_ranks[case]:
-        _same_state(got, want, CASES[case][1])
+        _same_state(got, want, steps * epochs)
         assert got["moved"] == pytest.approx(want["moved"], rel=1e-5, abs=1e-7)
         for r, r0 in zip(got["records"], want["records"], strict=True):
             assert r.samples == r0.samples and r.skipped == r0.skipped
@@ -161,8 +228,7 @@ def test_two_ranks_take_the_single_process_nft_steps(two_ranks, case):
     advantage, steps, epochs = NFT_CASES[case]
     want = _train_nft(advantage, steps, epochs, SOLO)
     ranks = two_ranks[len(CASES) + case]
-    rows = [got["rows"] for got in ranks]
-    assert sum(rows) == 6 if epochs == 1 else rows == [6, 0]  # parts of 1: rank 1's all empty
+    assert [got["rows"] for got in ranks] == NFT_ROWS[case]
     for got in ranks:
         _same_state(got, want, steps * epochs)
         for r, r0 in zip(got["records"], want["records"], strict=True):

@@ -1,13 +1,17 @@
 """The Ray executor's run-level stages on a local cluster of two CPUs: the window calibration
 measures its curves on the first policy actor, with the backbone that actor then keeps for the
 whole run, and a local LLM CSG builder builds its graphs there; the rows equal the local
-executor's, and the flow's process reads no backbone from disk for the whole run. One fast test
-calls a policy actor's calibration in this process (no Ray).
+executor's, and the flow's process reads no backbone from disk for the whole run. The actor's
+calibration moves the stage's progress bar in the flow's process (`tasks.stages.ray_progress`).
+One fast test calls a policy actor's calibration in this process (no Ray), another the bar's
+arithmetic.
 
 Slow (the Ray tests): starting the cluster and its actors' processes costs tens of seconds on two
 cores."""
 
 import json
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -16,11 +20,13 @@ from cast_core.backbones.shapes import ShapesBackbone
 from cast_core.csg.llm import DEFAULT_TEMPLATE
 from cast_core.csg.llm_schema import parse_spec
 from tasks.stages.build_csgs import build_csgs
-from tasks.stages.calibrate_window import calibrate_window
+from tasks.stages.calibrate_window import calibrate_window, calibration_bar
 from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.stages.models import builder_id
 from tasks.stages.policy_state import base_policy
-from tasks.stages.ray_workers import PolicyWorker, executor, init_ray
+from tasks.stages.ray_actors import PolicyWorker
+from tasks.stages.ray_progress import RemoteProgress, Tally, remote_progress
+from tasks.stages.ray_workers import _runtime_env, executor, init_ray
 from tasks.store.store import Store
 from tests.pipeline_helpers import ci_recipe, reference
 from tests.test_ray_executor import RAY
@@ -121,6 +127,68 @@ def test_the_whole_run_loads_the_backbone_on_the_actors_only(cluster, tmp_path_f
     assert [(n.backbone, n.lora) for n in after_setup["policy"]] == [(1, 0), (0, 0)]
     assert [(n.backbone, n.lora) for n in loads["policy"]] == [(1, 0), (1, 1)]
     assert loads["scorer"] == [1, 1]
+
+
+class Bar:
+    """A stand-in for `progress.stage_progress` that records the bars opened and their moves."""
+
+    def __init__(self) -> None:
+        self.opened: list[tuple[int, str]] = []
+        self.moves: list[int] = []
+
+    @contextmanager
+    def __call__(self, total: int, desc: str, *args, **kwargs):
+        self.opened.append((total, desc))
+        yield self.moves.append
+
+
+def test_the_relayed_bar_stops_at_its_total():
+    bar = Bar()
+    progress = RemoteProgress(Tally(None), bar.moves.append, 5)
+    assert [progress._show(n, shown) for n, shown in ((3, 0), (0, 3), (4, 3), (1, 5))] == [
+        3, 0, 2, 0]
+    assert bar.moves == [3, 2]  # a retried call's counts do not push the bar past 5
+
+
+@pytest.mark.slow
+def test_the_actors_calibration_moves_the_bar_in_the_flows_process(cluster, tmp_path_factory,
+                                                                    monkeypatch):
+    """The calibration on the first policy actor opens the local stage's bar (its total and
+    description) in the flow's process and fills it; the flow's process opens no other."""
+    _, _, prompts, local = reference(tmp_path_factory)
+    recipe = ci_recipe(prompts, **RAY)
+    bar = Bar()
+    monkeypatch.setattr("tasks.stages.ray_progress.stage_progress", bar)
+    monkeypatch.setattr("tasks.stages.calibrate_window.stage_progress", bar)
+    with executor(recipe) as workers:
+        store = Store(tmp_path_factory.mktemp("ray-calibration-bar") / "store")
+        ref = calibrate_window(store, recipe, workers=workers)
+        workers.release()
+    assert ref.content_hash == local["calibrate_window"].content_hash
+    total, desc = calibration_bar(recipe.window.calibration_prompts, recipe.sampling)
+    assert bar.opened == [(total, desc)]
+    assert sum(bar.moves) == total
+
+
+@pytest.mark.slow
+def test_an_actors_counts_reach_the_bar_while_its_call_runs(cluster, monkeypatch):
+    """Units an actor's call counts with its `Tally` move the bar in this process before the
+    call returns (several moves, not one at the end), and they add up to the total."""
+    bar = Bar()
+    monkeypatch.setattr("tasks.stages.ray_progress.stage_progress", bar)
+
+    def ticking(tally: Tally, n: int) -> int:
+        ray.get(tally.counter.add.remote(0))  # the counter actor is up
+        for _ in range(n):
+            tally(1)
+            time.sleep(1.0)
+        return n
+
+    with remote_progress(4, "ticks", _runtime_env()) as progress:
+        call = ray.remote(num_cpus=0)(ticking).remote(progress.tally, 4)
+        assert progress.get([call]) == [4]
+    assert bar.opened == [(4, "ticks")]
+    assert sum(bar.moves) == 4 and len(bar.moves) >= 2, bar.moves
 
 
 PROMPT = "a photo of two red circles left of a blue square"

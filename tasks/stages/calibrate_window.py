@@ -10,7 +10,8 @@ mode "fixed": writes only the `windows` row (method "fixed", formation_step = wi
 
 With the Ray executor (`run.executor = "ray"`) the curves are measured on the first policy actor,
 which holds the backbone for the whole run (run with its adapter off: the base model), and its
-embedder is loaded there; the flow's process loads neither and writes the same rows.
+embedder is loaded there; the flow's process loads neither and writes the same rows, and shows
+the same progress bar, moved by the steps the actor counts (`tasks.stages.ray_progress`).
 
 Run-level (iteration -1); cached on the base weights' hash, the sampling and window sections, the
 calibration prompts' hash and the embedder spec.
@@ -32,6 +33,7 @@ from tasks.stages.plots import plot_calibration
 from tasks.stages.progress import stage_progress
 from tasks.stages.prompt_sets import load_prompts
 from tasks.stages.recipe import Recipe
+from tasks.stages.recipe_sections import SamplingSection
 from tasks.store.schemas import prompt_id
 from tasks.store.stage import RUN_LEVEL, StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
@@ -100,6 +102,13 @@ def calibration_prompts(recipe: Recipe) -> tuple[list[str], list[int]]:
     return prompts, [derive_seed(recipe.run.seed, "calibrate", prompt_id(p)) for p in prompts]
 
 
+def calibration_bar(num_prompts: int, sampling: SamplingSection) -> tuple[int, str]:
+    """The calibration's progress bar: (its total, one unit an ODE step of a chunk of
+    `sampling.chunk_size` prompts, as `similarity_curves` counts them; its description)."""
+    chunks = -(-num_prompts // sampling.chunk_size)
+    return chunks * sampling.num_steps, f"window calibration ({num_prompts} prompts)"
+
+
 def measure_curves(backbone, recipe: Recipe, prompts: list[str], seeds: list[int],
                    progress: Callable[[int], object] | None = None) -> MeasuredCurves:
     """The similarity curves of `prompts` sampled by `backbone` (the base model) at the recipe's
@@ -129,10 +138,9 @@ def calibrate_window(store: Store, recipe: Recipe, workers: Workers | None = Non
         set_threads(recipe)
         prompts, seeds = calibration_prompts(recipe)
         if workers is None:
-            with stage_progress(-(-len(prompts) // s.chunk_size) * s.num_steps,
-                                f"window calibration ({len(prompts)} prompts)") as advance:
+            with stage_progress(*calibration_bar(len(prompts), s)) as advance:
                 measured = measure_curves(load_base(recipe), recipe, prompts, seeds, advance)
-        else:
+        else:  # the bar in this process, moved by the actor's progress
             measured = workers.calibration_curves(recipe, prompts, seeds)
         curves = measured.similarity
         result = calibrate(curves.curves, s.num_steps, w.size, method=w.method,

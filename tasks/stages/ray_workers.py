@@ -1,27 +1,22 @@
-"""The Ray executor (`run.executor = "ray"`): resident policy and scorer actors that the stage
-bodies call, and the shards they split a stage into.
+"""The Ray executor (`run.executor = "ray"`): the run's resident actors as the stage bodies call
+them (`Workers`), the shards they split a stage into, and the cluster they run on.
 
-Policy actors (`PolicyWorker`, `ray.rollout_workers` of them) each hold a `ResidentPolicy`: the
-backbone is loaded once and kept, with the current LoRA, across stages and iterations; only the
-adapter's weights are swapped when the policy hash changes. A rollout splits the iteration's
-prompt groups into contiguous shards, one an actor; each shard's samples (window steps and
-images) are written through the store as one content-addressed blob, and the stage reads them
-back in shard order and writes the same blobs and rows as one process would (seeds derive from
-(run seed, iteration, prompt id, sample index), never from a position in a batch). The training
-runs on the first `ray.train_workers` policy actors, data-parallel when there are several: they
-join a torch.distributed group for the call (`tasks.stages.train_group`), each reads its own
-samples' window steps from the store and trains its part of every optimizer step, and rank 0
-writes; each then holds the trained policy, so the next
-rollout on it reloads nothing. Scorer actors (`ScorerWorker`) hold the recipe's scorer; the samples to score are
-split between them, each with all its atoms, and each actor reads its images from the store. An
-evaluation (`tasks.stages.evaluate`) runs on the same actors: its images sampled by the policy
-actors in shards of whole chunks, and scored by the scorer actors, passed through Ray. ReCAST's
-gains (`tasks.stages.recast_gains`) are estimated on the first policy actor with the policy it
-holds, its images scored on the scorer actors (the policy actor calls them); so are the window
-calibration's curves (adapter off: the base model) and a local LLM builder's graphs. The
-stage's completion record is written by `run_stage` after the body returns, so after every shard
-has finished. A remote scorer service (`scorer.kind = "remote"`) stays the option for scorers on
-other machines: the scorer actors then call it.
+The actors themselves are `tasks.stages.ray_actors`: policy actors (`PolicyWorker`,
+`ray.rollout_workers` of them), each holding the backbone with the current LoRA across stages
+and iterations, and scorer actors (`ScorerWorker`) holding the recipe's scorer. A rollout splits
+the iteration's prompt groups into contiguous shards, one an actor; each shard's samples (window
+steps and images) are written through the store as one content-addressed blob, and the stage
+reads them back in shard order and writes the same blobs and rows as one process would (seeds
+derive from (run seed, iteration, prompt id, sample index), never from a position in a batch).
+The training runs on the first `ray.train_workers` policy actors, data-parallel when there are
+several, and rank 0 writes. The samples to score are split between the scorer actors, each with
+all its atoms. An evaluation (`tasks.stages.evaluate`) samples on the policy actors in shards of
+whole chunks and scores on the scorer actors. ReCAST's gains, the window calibration's curves
+(its progress relayed to the stage's bar here, `tasks.stages.ray_progress`) and a local LLM
+builder's graphs are computed on the first policy actor. The stage's completion record is written
+by `run_stage` after the body returns, so after every shard has finished. A remote scorer
+service (`scorer.kind = "remote"`) stays the option for scorers on other machines: the scorer
+actors then call it.
 
 Scheduling is Ray's: actors are placed by the resources they reserve (`[ray]` section), named
 per run (`<run>-policy-<i>`, `<run>-scorer-<i>` in namespace "cast", so a later flow run on the
@@ -37,7 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,21 +41,18 @@ import numpy as np
 import torch
 
 from cast_core.csg.graph import SceneGraph
-from cast_core.data_parallel import SOLO
-from cast_core.lora import reference_mode
 from cast_core.recast_gains import RecastGains
 from cast_core.rollout import Rollout
-from tasks.stages.build_csgs import CsgRows, csg_rows
-from tasks.stages.calibrate_window import MeasuredCurves, measure_curves
-from tasks.stages.models import graph_builder, scorer, set_threads
+from tasks.stages.build_csgs import CsgRows
+from tasks.stages.calibrate_window import MeasuredCurves, calibration_bar
 from tasks.stages.policy_state import PolicyState
-from tasks.stages.recast_gains import RecastConfig, estimate
+from tasks.stages.ray_actors import PolicyWorker, ScorerWorker
+from tasks.stages.ray_progress import remote_progress
+from tasks.stages.recast_gains import RecastConfig
 from tasks.stages.recipe import Recipe
-from tasks.stages.resident import Loads, ResidentPolicy
-from tasks.stages.rollout import Sampled, rollout_spec, sample_groups
-from tasks.stages.score_atoms import score_in_chunks, score_rows
-from tasks.stages.train_epoch import Trained, train_and_write
-from tasks.stages.train_group import Group, joined, rendezvous
+from tasks.stages.rollout import Sampled
+from tasks.stages.train_epoch import Trained
+from tasks.stages.train_group import Group
 from tasks.store.records import BlobRef
 from tasks.store.store import Store
 
@@ -69,123 +61,6 @@ RETRIES = 2  # restarts of a dead actor, and tries of the call it had in flight
 STRAGGLER_S = 30.0  # after a training rank failed, how long the others get to fail too
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # this file is tasks/stages/ray_workers.py
 _ROLLOUT_KEYS = ("x0", "latents", "next_latents", "log_probs")  # per sample; t, t_next shared
-
-
-class PolicyWorker:
-    """A policy actor's state and calls (made a Ray actor by `connect`)."""
-
-    def __init__(self) -> None:
-        self.resident = ResidentPolicy()
-        self.samples_read: tuple[int, ...] = ()  # by its last training: its rank's samples
-
-    def rollout_shard(self, root: str, recipe: Recipe, policy: PolicyState, window_row: dict,
-                      picks: list[dict], iteration: int) -> BlobRef:
-        """Sample the groups of `picks` -> the blob of their window steps and images."""
-        store = Store(root)
-        set_threads(recipe)
-        backbone, _ = self.resident.get(store, recipe, policy)
-        sampled = sample_groups(backbone, recipe, rollout_spec(recipe, window_row), picks,
-                                iteration)
-        r = sampled.rollout
-        return store.put_tensors({"x0": r.x0, "latents": r.latents,
-                                  "next_latents": r.next_latents, "log_probs": r.log_probs,
-                                  "t": r.t, "t_next": r.t_next, "images": sampled.images})
-
-    def eval_shard(self, root: str, recipe: Recipe, policy: PolicyState, prompts: list[str],
-                   seeds: list[int]) -> torch.Tensor:
-        """An evaluation's ODE samples of `prompts` with the held policy -> images [n, 3, H, W]
-        float32 in [0, 1] on the CPU (`evaluate.sample_images`)."""
-        from tasks.stages.evaluate import sample_images  # evaluate imports this module
-
-        set_threads(recipe)
-        backbone, _ = self.resident.get(Store(root), recipe, policy)
-        return sample_images(backbone, prompts, seeds, recipe)
-
-    def recast_gains(self, root: str, recipe: Recipe, config: RecastConfig, policy: PolicyState,
-                     workers: Workers) -> RecastGains:
-        """`recast_gains.estimate` on the held policy (its adapter off for the base model: the
-        local stage's `load_base`), scored on the scorer actors of `workers`."""
-        set_threads(recipe)
-        backbone, _ = self.resident.get(Store(root), recipe, policy)
-
-        def score(images: torch.Tensor, graphs: list[SceneGraph]) -> list:
-            return workers.score_images(recipe, images, graphs)
-
-        with reference_mode(backbone) if policy.lora_path is None else nullcontext():
-            return estimate(recipe, config, backbone, score)
-
-    def calibration_curves(self, recipe: Recipe, prompts: list[str], seeds: list[int]
-                           ) -> MeasuredCurves:
-        """`calibrate_window.measure_curves` on the held backbone with its adapter off (the base
-        model, as the local stage's `load_base`); the embedder is loaded for the call."""
-        set_threads(recipe)
-        backbone = self.resident.base(recipe)
-        with reference_mode(backbone):
-            return measure_curves(backbone, recipe, prompts, seeds)
-
-    def csg_rows(self, recipe: Recipe, lines: list[tuple[int, dict]]) -> CsgRows:
-        """`build_csgs.csg_rows` with the recipe's builder (a local LLM) loaded for the call; it
-        is freed when the call returns, and on a fresh run before the backbone first loads."""
-        set_threads(recipe)
-        return csg_rows(recipe, lines, graph_builder(recipe))
-
-    def rendezvous(self) -> str:
-        """An address on this actor's node where a training group can meet."""
-        return rendezvous()
-
-    def train(self, root: str, recipe: Recipe, policy: PolicyState, group: Group | None,
-              *inputs: Any) -> Trained:
-        """`train_epoch.train_and_write` on the held policy, alone (`group` None) or as one rank
-        of the training group; the actor then holds the trained policy."""
-        store = Store(root)
-        backbone, params = self.resident.get(store, recipe, policy)
-        device = next(backbone.transformer.parameters()).device
-        try:
-            with nullcontext(SOLO) if group is None else joined(group, device) as shard:
-                trained = train_and_write(store, recipe, backbone, params, policy, *inputs,
-                                          shard=shard)
-        except BaseException:
-            self.resident.forget()
-            raise
-        self.resident.trained(trained.policy_hash)
-        self.samples_read = trained.samples_read
-        return trained
-
-    def loads(self) -> Loads:
-        return self.resident.loads
-
-
-class ScorerWorker:
-    """A scorer actor's state and calls: the recipe's scorer, loaded once per scorer section."""
-
-    def __init__(self) -> None:
-        self._section: str | None = None
-        self._scorer: tuple[str, Any] | None = None
-        self.load_count = 0
-
-    def score_shard(self, root: str, recipe: Recipe, rows: list[dict],
-                    graphs: list[SceneGraph]) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
-        """(scorer id, each row's (scores [A], heatmaps [A, h, w])) for rollout `rows`."""
-        scorer_id, score = self._held(recipe)
-        return scorer_id, score_rows(Store(root), score, rows, graphs, recipe.sampling.chunk_size)
-
-    def score_images(self, recipe: Recipe, images: torch.Tensor, graphs: list[SceneGraph]
-                     ) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
-        """(scorer id, each image's (scores [A], heatmaps [A, h, w])) for images [n, 3, H, W]."""
-        scorer_id, score = self._held(recipe)
-        return scorer_id, score_in_chunks(score, images, graphs, recipe.sampling.chunk_size)
-
-    def _held(self, recipe: Recipe) -> tuple[str, Any]:
-        """The recipe's (scorer id, scorer), loaded when its scorer section changed."""
-        set_threads(recipe)
-        section = recipe.scorer.model_dump_json()
-        if section != self._section:
-            self._scorer, self._section = scorer(recipe), section
-            self.load_count += 1
-        return self._scorer
-
-    def loads(self) -> int:
-        return self.load_count
 
 
 def shards(items: Sequence, n: int) -> list[list]:
@@ -247,10 +122,12 @@ class Workers:
 
     def calibration_curves(self, recipe: Recipe, prompts: list[str], seeds: list[int]
                            ) -> MeasuredCurves:
-        """The window calibration's curves, measured on the first policy actor."""
-        import ray
-
-        return ray.get(self.policy[0].calibration_curves.remote(recipe, prompts, seeds))
+        """The window calibration's curves, measured on the first policy actor; its progress
+        moves the local stage's bar here (`calibrate_window.calibration_bar`)."""
+        with remote_progress(*calibration_bar(len(prompts), recipe.sampling),
+                             _runtime_env()) as bar:
+            call = self.policy[0].calibration_curves.remote(recipe, prompts, seeds, bar.tally)
+            return bar.get([call])[0]
 
     def csg_rows(self, recipe: Recipe, lines: list[tuple[int, dict]]) -> CsgRows:
         """The build_csgs rows of the prompt file's `lines`, built on the first policy actor."""
@@ -350,9 +227,9 @@ def connect(recipe: Recipe) -> Workers:
     if not ray.is_initialized():
         init_ray(r.address)
     _check_capacity(recipe, ray.cluster_resources())
-    env = {"env_vars": {"PYTHONPATH": str(_REPO_ROOT)}}  # the driver's code, on a shared disk
     options = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached",
-               "max_restarts": RETRIES, "max_task_retries": RETRIES, "runtime_env": env}
+               "max_restarts": RETRIES, "max_task_retries": RETRIES,
+               "runtime_env": _runtime_env()}
     policy = ray.remote(PolicyWorker)
     score = ray.remote(ScorerWorker)
     run = recipe.run.name
@@ -363,6 +240,11 @@ def connect(recipe: Recipe) -> Workers:
         tuple(score.options(name=f"{run}-scorer-{i}", num_gpus=r.scorer_num_gpus,
                             num_cpus=r.scorer_num_cpus, **options).remote()
               for i in range(r.scorer_workers)))
+
+
+def _runtime_env() -> dict:
+    """The actors' runtime environment: the driver's code on their import path (a shared disk)."""
+    return {"env_vars": {"PYTHONPATH": str(_REPO_ROOT)}}
 
 
 def init_ray(address: str, **options: Any) -> None:
