@@ -27,6 +27,9 @@ from tasks.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 CI_RECIPE = REPO / "data" / "recipes" / "shapes-ci.toml"
+# The Ray tests' executor: two policy and two scorer actors share a local cluster of two CPUs.
+RAY_TWO_CPUS = {"run.executor": "ray", "ray.rollout_workers": 2, "ray.num_cpus": 0.5,
+                "ray.scorer_workers": 2, "ray.scorer_num_cpus": 0.5}
 TRAIN_PROMPTS = REPO / "data" / "prompts" / "train.jsonl"
 STAGES = ("build_csgs", "calibrate_window", "rollout", "score_atoms", "compute_advantages",
           "train_epoch")

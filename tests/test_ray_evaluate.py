@@ -10,11 +10,9 @@ import pytest
 from tasks.stages.evaluate import evaluate_checkpoint
 from tasks.stages.ray_workers import chunk_shards, connect, init_ray
 from tasks.store.store import Store
-from tests.pipeline_helpers import ci_recipe, reference
+from tests.pipeline_helpers import RAY_TWO_CPUS, ci_recipe, reference
 
-# two policy and two scorer actors share a cluster of two CPUs (as in test_ray_executor)
-RAY = {"run.executor": "ray", "ray.rollout_workers": 2, "ray.num_cpus": 0.5,
-       "ray.scorer_workers": 2, "ray.scorer_num_cpus": 0.5}
+RAY = RAY_TWO_CPUS
 CHUNK = {"sampling.chunk_size": 4}  # the CI eval's 8 images a split: two chunks, one an actor
 
 

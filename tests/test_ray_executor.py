@@ -12,13 +12,11 @@ import torch
 from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.stages.ray_workers import executor, init_ray, shards
 from tasks.store.store import Store
-from tests.pipeline_helpers import ci_recipe, reference, table_rows
+from tests.pipeline_helpers import RAY_TWO_CPUS, ci_recipe, reference, table_rows
 
 ray = pytest.importorskip("ray")
 
-# two policy and two scorer actors share the cluster's two CPUs
-RAY = {"run.executor": "ray", "ray.rollout_workers": 2, "ray.num_cpus": 0.5,
-       "ray.scorer_workers": 2, "ray.scorer_num_cpus": 0.5}
+RAY = RAY_TWO_CPUS
 
 
 def test_shards_are_contiguous_and_near_equal():

@@ -26,6 +26,7 @@ import yaml
 from tasks.store.store import Store
 from tests.pipeline_helpers import (
     CI_RECIPE,
+    RAY_TWO_CPUS,
     REPO,
     child_env,
     ci_overrides,
@@ -33,9 +34,7 @@ from tests.pipeline_helpers import (
     write_small_prompts,
 )
 
-# two policy and two scorer actors share two CPUs (as in test_ray_executor)
-RAY = {"run.executor": "ray", "ray.rollout_workers": 2, "ray.num_cpus": 0.5,
-       "ray.scorer_workers": 2, "ray.scorer_num_cpus": 0.5}
+RAY = RAY_TWO_CPUS
 FLOW_RUNS = 2  # iterations 0 and 1: the deployment's `iteration` unset takes the next one
 TABLES = ("csgs", "atoms", "calibration_curves", "windows", "rollouts", "atom_scores",
           "advantages", "advantage_maps", "checkpoints")

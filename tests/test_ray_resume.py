@@ -26,6 +26,7 @@ from tasks.stages.recipe import load_recipe
 from tasks.store.store import Store
 from tests.pipeline_helpers import (
     CI_RECIPE,
+    RAY_TWO_CPUS,
     REPO,
     child_env,
     ci_overrides,
@@ -34,9 +35,7 @@ from tests.pipeline_helpers import (
     temp_files,
 )
 
-# two policy and two scorer actors share a cluster of two CPUs (as in test_ray_executor)
-RAY = {"run.executor": "ray", "ray.rollout_workers": 2, "ray.num_cpus": 0.5,
-       "ray.scorer_workers": 2, "ray.scorer_num_cpus": 0.5}
+RAY = RAY_TWO_CPUS
 KILLED_IN = "train_epoch"
 BEFORE = ("rollout", "score_atoms", "compute_advantages")  # recorded when the kill comes
 TABLES = ("rollouts", "atom_scores", "advantages", "advantage_maps", "checkpoints")
