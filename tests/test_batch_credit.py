@@ -102,12 +102,12 @@ def test_advantage_rows_carry_one_row_per_atom_and_one_per_sample():
     assert maps[5]["reward"] == pytest.approx(float(batch.scores[1, 1].mean()))
 
 
-def test_credit_config_carries_every_advantage_field_but_kind():
+def test_credit_config_carries_every_advantage_field_but_kind_and_scalar_steps():
     section = AdvantageSection(kind="spatial", atom_norm="pooled", spatial_mix=0.5,
                                heatmap_source="group_others", global_weight=0.0)
     config = credit_config(section)
     assert {f.name for f in dataclasses.fields(CreditConfig)} == set(
-        AdvantageSection.model_fields) - {"kind"}
+        AdvantageSection.model_fields) - {"kind", "scalar_steps"}  # the trainer applies it
     assert (config.atom_norm, config.spatial_mix, config.heatmap_source,
             config.global_weight) == ("pooled", 0.5, "group_others", 0.0)
 
