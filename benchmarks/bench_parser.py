@@ -22,9 +22,10 @@ Sets:
   tests/data/compositional_heldout11.jsonl (372 prompts written before the eleventh round, which
   also used its refusals) and tests/data/compositional_heldout12.jsonl (380 prompts written before
   the twelfth round, which also used its refusals) and tests/data/compositional_heldout13.jsonl
-  (434 prompts written before the thirteenth round, which also used its refusals), each with its
-  intended graph; a line marked "refuse" is one its writer judged ambiguous or beyond the offline
-  grammar, so a refusal of it is right (counted apart);
+  (434 prompts written before the thirteenth round, which also used its refusals) and
+  tests/data/compositional_heldout14.jsonl (415 prompts written before the fourteenth round), each
+  with its intended graph; a line marked "refuse" is one its writer judged ambiguous or beyond
+  the offline grammar, so a refusal of it is right (counted apart);
 - table: tests/data/compositional_table.txt, the hand-written table of the unit tests;
 - GenEval format: the committed shapes-world files (data/prompts/*.jsonl) and any `--geneval`
   JSONL files in GenEval's metadata format (GenEval's evaluation_metadata.jsonl, Flow-GRPO's
@@ -69,7 +70,7 @@ HELD_OUT = ("compositional_heldout.jsonl", "compositional_heldout2.jsonl",
             "compositional_heldout7.jsonl", "compositional_heldout8.jsonl",
             "compositional_heldout9.jsonl", "compositional_heldout10.jsonl",
             "compositional_heldout11.jsonl", "compositional_heldout12.jsonl",
-            "compositional_heldout13.jsonl")
+            "compositional_heldout13.jsonl", "compositional_heldout14.jsonl")
 
 
 def held_out(name: str) -> list[tuple[str, list, list]]:
