@@ -257,10 +257,11 @@ def test_prompt_length_and_atom_limits():
 # Since the thirteenth round "it" after a first statement of one clause names its subject, as every
 # list writes it (about 30 lines); the tenth list's "a red ball in front of a blue box; it is
 # shiny" (marked "refuse") gives neither noun phrase the texture shiny, a slip no reading matches.
-# The thirteenth list writes "a paper plate" and "a paper boat" as compounds, where lists 3, 5 and
-# 6 (three lines) and the table write a plate and a boat made of paper, and "a potted plant" as a
-# plant whose state is potted, where lists 3 to 12 and the vocabulary write the compound (four
-# lines): its writer's slips from the earlier lists' conventions, pinned as the first list's are.
+# The thirteenth list writes "a paper plate" as a compound, where lists 3, 5 and 6 (three lines)
+# write a plate made of paper, and "a potted plant" as a plant whose state is potted, where lists 3
+# to 12 and the vocabulary write the compound (nine lines): its writer's slips from the earlier
+# lists' conventions, pinned as the first list's are. Its "a paper boat", a compound, where the
+# table writes a boat made of paper, is refused since the fourteenth round.
 LABEL_DIFFERENCES = {
     "compositional_heldout.jsonl": ["six yellow rubber ducks in front of a bathtub",
                                     "a pair of skis",
@@ -293,8 +294,7 @@ LABEL_DIFFERENCES = {
     "compositional_heldout11.jsonl": ["a torn poster above a dusty piano"],
     "compositional_heldout12.jsonl": [],
     "compositional_heldout13.jsonl": ["a triangular slice of pizza on a paper plate",
-                                      "a goldfish in a glass tank next to a potted plant",
-                                      "a glass bottle with a paper boat inside"],
+                                      "a goldfish in a glass tank next to a potted plant"],
 }
 
 

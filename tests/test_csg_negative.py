@@ -211,6 +211,7 @@ NEGATIVE = [
     ("a cat on the left and the dog on the right", "'the left' names a place in the picture"),
     ("a rainbow umbrella over a chair", "'rainbow' in 'a rainbow umbrella' may be its color or its pattern"),
     ("a crumpled paper ball", "'paper ball' in 'a crumpled paper ball' may be one noun"),
+    ("a paper boat in a glass bottle", "'paper boat' in 'a paper boat' may be one noun"),
     ("a dim candle", "['dim'] before the noun 'candle'"),
     # twelfth round: words; "they" after two noun phrases of one; grounds under the sky; places
     ("a curly haired shaggy dog", "gives an attribute kind twice: ['shaggy']"),
