@@ -31,6 +31,15 @@ credit that leans positive (CAST's gated atom map does) must be centred before `
 ``optimality`` maps an advantage A (a group z-score, or CAST's map of atom advantages) to
 r = 1/2 + 1/2 clip(A / a_max, -1, 1), the paper's normalised-reward form with a_max the |A| at
 which a sample counts as fully positive or negative.
+
+Per-step credit over the forward-noise t (ReCAST's weights on NFT; ours). ReCAST weights each
+atom type's share of the map per step of the sampling schedule t_0 > t_1 > ... > t_{S-1} (one map
+M_k [N, h, w] per step k). NFT draws a continuous t per sample instead of visiting steps, and the
+sampler only ever queries the velocity at the t_k, so a draw at t trains the velocity of the
+nearest step: k(t) = argmin_k |t - t_k| (``nearest_steps``; a tie goes to the earlier, noisier
+step), and the sample's credit is M_{k(t)} (``credit_at_t``). As k(t) is monotone in t, the steps
+a draw in [t_min, t_max] can reach form one range [k(t_max), k(t_min)] (``covered_steps``); the
+per-step weights are solved over that range, as the SDE objective solves them over its window.
 """
 
 from __future__ import annotations
@@ -121,3 +130,37 @@ def nft_loss(
     if wt.shape != per_sample.shape:
         raise ValueError(f"weight must be [N] = ({n},); got {tuple(wt.shape)}")
     return NftLoss((wt * per_sample).mean(), per_sample.detach(), (r > 0.5).float().mean())
+
+
+def nearest_steps(t: Tensor, step_times: Tensor) -> Tensor:
+    """k(t) [N] int64: the index of the step time nearest each t [N]; step_times [K] strictly
+    decreasing (t_0 > ... > t_{K-1}); a tie goes to the earlier step (module docstring)."""
+    if t.dim() != 1 or step_times.dim() != 1 or step_times.numel() == 0:
+        raise ValueError(f"need t [N] and step_times [K >= 1]; got {tuple(t.shape)} and "
+                         f"{tuple(step_times.shape)}")
+    if step_times.numel() > 1 and not bool((step_times[1:] < step_times[:-1]).all()):
+        raise ValueError(f"step_times must decrease strictly (t_0 = noise first); got "
+                         f"{step_times.tolist()}")
+    gap = (t.double()[:, None] - step_times.double().to(t.device)[None]).abs()  # [N, K]
+    return gap.argmin(dim=1)  # the first minimum: ties to the earlier step
+
+
+def covered_steps(step_times: Tensor, t_min: float, t_max: float) -> tuple[int, int]:
+    """[start, end): the steps of step_times [S] (strictly decreasing) nearest some t in
+    [t_min, t_max] (module docstring)."""
+    if not t_min < t_max:
+        raise ValueError(f"need t_min < t_max; got {t_min!r}, {t_max!r}")
+    ends = nearest_steps(torch.tensor([t_max, t_min], dtype=torch.float64), step_times)
+    return int(ends[0]), int(ends[1]) + 1
+
+
+def credit_at_t(step_maps: Tensor, t: Tensor, step_times: Tensor) -> Tensor:
+    """Each sample's map at the step nearest its t: step_maps [N, K, h, w], t [N], step_times
+    [K] -> [N, h, w] = step_maps[n, k(t_n)]."""
+    n, k = step_maps.shape[:2]
+    if step_maps.dim() != 4 or t.shape != (n,) or step_times.shape != (k,):
+        raise ValueError(f"need step_maps [N, K, h, w], t [N] and step_times [K] with the same "
+                         f"N and K; got {tuple(step_maps.shape)}, {tuple(t.shape)} and "
+                         f"{tuple(step_times.shape)}")
+    steps = nearest_steps(t, step_times).to(step_maps.device)
+    return step_maps[torch.arange(n, device=step_maps.device), steps]

@@ -9,7 +9,9 @@ policy that sampled them (the old policy), their prompts and advantages A ([N], 
    spread back to the latent grid, so one optimality covers one token; with ``centre`` it is
    group-centred (``nft.group_centred``: zero-sum over each group of ``group_size`` consecutive
    samples at every position; a credit that leans positive is otherwise a pull towards the
-   policy's own samples); r = ``nft.optimality``(A, a_max) in [0, 1].
+   policy's own samples); r = ``nft.optimality``(A, a_max) in [0, 1]. With per-step maps
+   [N, K, h, w] (ReCAST's weights, given with the K steps' times ``step_times``) each draw's
+   credit is the map of the step nearest its t (``nft.credit_at_t``), so r is made per epoch.
 2. Draws. For inner epoch e, every sample gets t ~ U(t_min, t_max) and eps ~ N(0, I) from a CPU
    generator seeded with ``rollout.step_seed(seed, e)`` (one draw for all N, so no draw depends
    on the micro-batching), x_t = (1 - t) x0 + t eps and the target v = eps - x0
@@ -60,7 +62,14 @@ from cast_core.data_parallel import (
     local_rows,
     sum_over_ranks,
 )
-from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
+from cast_core.nft import (
+    adaptive_weight,
+    credit_at_t,
+    forward_noised,
+    group_centred,
+    nft_loss,
+    optimality,
+)
 from cast_core.rollout import step_seed
 from cast_core.sampling import encode_conditioning
 
@@ -198,11 +207,13 @@ def nft_update(
     on_step: Callable[[NftStep], None] | None = None,
     shard: Shard = SOLO,
     held: Tensor | None = None,
+    step_times: Tensor | None = None,
 ) -> list[NftStep]:
     """inner_epochs x steps_per_epoch optimizer steps of the NFT loss (module docstring).
 
-    prompts: N; x0: [N, C, h, w] clean latents of the sampling policy; advantages: [N] or a map
-    [N, h, w] on the latent grid. lr_for_step(j) sets every group's lr before the step that
+    prompts: N; x0: [N, C, h, w] clean latents of the sampling policy; advantages: [N], a map
+    [N, h, w] on the latent grid, or per-step maps [N, K, h, w] with step_times [K] (strictly
+    decreasing: the schedule times of the K steps). lr_for_step(j) sets every group's lr before the step that
     follows j steps taken (skipped ones not counted). Returns one NftStep per optimizer step.
     With a `shard` of a data-parallel group every rank passes the prompts and advantages of all
     N samples and x0 of the samples `held` only (sorted; ``Shard.rows(nft_step_indices(...))``;
@@ -218,12 +229,16 @@ def nft_update(
     if config.centre and n % config.group_size:
         raise ValueError(f"{n} samples do not split into groups of {config.group_size}; set "
                          "NftConfig.group_size to the rollout's G")
-    r = nft_optimality(advantages.to(x0.device), (n, *x0.shape[1:]), config,
-                       getattr(backbone, "token_grid", None))
+    if (advantages.dim() == 4) != (step_times is not None):
+        raise ValueError(f"per-step maps [N, K, h, w] come with their steps' times and only they "
+                         f"do: got advantages {tuple(advantages.shape)} and step_times "
+                         f"{None if step_times is None else tuple(step_times.shape)}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     local = local_rows(held, n)
     draws = _draws(backbone, x0, torch.arange(n) if held is None else held.cpu(), prompts,
                    config, guidance_scale, seed)
+    rs = _optimalities(advantages.to(x0.device), draws, step_times, (n, *x0.shape[1:]), config,
+                       getattr(backbone, "token_grid", None))
     out, taken = [], 0
     steps = arrange_steps(nft_step_indices(n, config, seed), shard.world)
     for j, idx in enumerate(steps):
@@ -231,13 +246,24 @@ def nft_update(
         lr = lr_for_step(taken) if lr_for_step is not None else optimizer.param_groups[0]["lr"]
         for group in optimizer.param_groups:
             group["lr"] = lr
-        step = _step(backbone, optimizer, params, draws[epoch], r, idx, prompts, config,
+        step = _step(backbone, optimizer, params, draws[epoch], rs[epoch], idx, prompts, config,
                      guidance_scale, epoch, lr, shard, local)
         taken += 0 if step.skipped else 1
         out.append(step)
         if on_step is not None:
             on_step(step)
     return out
+
+
+def _optimalities(advantages: Tensor, draws: list[_Draw], step_times: Tensor | None,
+                   shape: tuple[int, ...], config: NftConfig,
+                   token_grid: tuple[int, int] | None) -> list[Tensor]:
+    """r of each epoch's draws: the same r for every epoch, or with per-step maps (step_times
+    given) r of each draw's nearest-step map."""
+    if step_times is None:
+        return [nft_optimality(advantages, shape, config, token_grid)] * len(draws)
+    return [nft_optimality(credit_at_t(advantages, d.t, step_times), shape, config, token_grid)
+            for d in draws]
 
 
 def nft_step_indices(n: int, config: NftConfig, seed: int) -> list[Tensor]:

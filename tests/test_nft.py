@@ -1,9 +1,18 @@
-"""The forward-process (NFT) loss against closed forms."""
+"""The forward-process (NFT) loss against closed forms; the nearest-step credit over t."""
 
 import pytest
 import torch
 
-from cast_core.nft import adaptive_weight, forward_noised, group_centred, nft_loss, optimality
+from cast_core.nft import (
+    adaptive_weight,
+    covered_steps,
+    credit_at_t,
+    forward_noised,
+    group_centred,
+    nearest_steps,
+    nft_loss,
+    optimality,
+)
 
 
 def _velocities(n=3, c=2, h=4, w=5, seed=0):
@@ -104,3 +113,29 @@ def test_group_centred_makes_each_group_zero_sum_at_every_position():
                                .expand(2, 3, 4, 5).reshape(6, 4, 5))
     with pytest.raises(ValueError, match="groups of 4"):
         group_centred(maps, 4)
+
+
+def test_nearest_steps_picks_the_nearest_time_and_ties_to_the_earlier_step():
+    times = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)  # ties exact in binary
+    t = torch.tensor([0.99, 0.76, 0.75, 0.74, 0.38, 0.375, 0.1], dtype=torch.float64)
+    assert nearest_steps(t, times).tolist() == [0, 0, 0, 1, 1, 1, 2]
+    with pytest.raises(ValueError, match="decrease strictly"):
+        nearest_steps(t, torch.tensor([0.2, 0.6]))
+
+
+def test_covered_steps_are_those_a_draw_in_the_range_can_reach():
+    times = torch.linspace(1.0, 0.1, 10, dtype=torch.float64)  # 1.0, 0.9, ..., 0.1
+    assert covered_steps(times, 0.02, 0.98) == (0, 10)
+    assert covered_steps(times, 0.33, 0.66) == (3, 8)  # 0.7 (nearest 0.66) ... 0.3 (0.33)
+    for lo, hi in ((0.02, 0.98), (0.33, 0.66), (0.5, 0.51)):
+        start, end = covered_steps(times, lo, hi)
+        reached = set(nearest_steps(torch.linspace(lo, hi, 1001), times).tolist())
+        assert reached == set(range(start, end))
+
+
+def test_credit_at_t_takes_each_sample_its_step_map():
+    maps = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 2, 2)  # [N, K, h, w]
+    out = credit_at_t(maps, torch.tensor([0.1, 0.95]), torch.tensor([0.9, 0.5, 0.1]))
+    assert torch.equal(out[0], maps[0, 2]) and torch.equal(out[1], maps[1, 0])
+    with pytest.raises(ValueError, match="same N and K"):
+        credit_at_t(maps, torch.tensor([0.1, 0.95]), torch.tensor([0.9, 0.1]))

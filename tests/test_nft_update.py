@@ -1,7 +1,8 @@
 """The forward-process (NFT) update on a tiny real backbone: only LoRA moves; r = 1 at beta 1 is a
 plain flow-matching step towards the samples (closed form); positive samples' flow-matching error
 falls and negative ones' rises; draws do not depend on the micro-batching; the token-grid pooling
-and group centring of a map; the NaN guard; validation."""
+and group centring of a map; per-step maps (ReCAST's weights) take the map of the step nearest each
+draw's t; the NaN guard; validation."""
 
 import pytest
 import torch
@@ -119,6 +120,50 @@ def test_map_optimality_is_pooled_to_tokens_and_centred_per_group():
     shifted = nft_optimality(adv + torch.tensor([3.0, 3.0, -1.0, -1.0])[:, None, None],
                              (4, 3, 8, 8), config, token_grid=(2, 2))
     torch.testing.assert_close(shifted, r)  # a group's common offset carries no credit
+
+
+def _trained(advantages: torch.Tensor, config: NftConfig, step_times=None) -> list[torch.Tensor]:
+    model, params, x0 = _policy()
+    nft_update(model, torch.optim.SGD(params, lr=0.5), PROMPTS, x0, advantages, config, CFG,
+               seed=5, step_times=step_times)
+    return [p.detach().clone() for p in params]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_step_maps_take_the_map_of_the_step_nearest_each_draw():
+    _, _, x0 = _policy()
+    h, w = x0.shape[-2:]
+    m = torch.randn(4, h, w, generator=torch.Generator().manual_seed(0))
+    config = NftConfig(group_size=2, t_min=0.3, t_max=0.7)
+    plain, negated = _trained(m, config), _trained(-m, config)
+    assert not _same(plain, negated)
+    steps = torch.stack([m, -m], dim=1)  # [N, K = 2, h, w]
+    # every draw in [0.3, 0.7] is nearer 0.5 than 0.0 (step 0), nearer 0.5 than 1.0 (step 1)
+    assert _same(_trained(steps, config, torch.tensor([0.5, 0.0])), plain)
+    assert _same(_trained(steps, config, torch.tensor([1.0, 0.5])), negated)
+    assert _same(_trained(torch.stack([m, m], dim=1), config, torch.tensor([0.9, 0.1])), plain)
+    # mixed: epoch 0's draws (the generator nft_update uses) pick each sample's map
+    gen = torch.Generator().manual_seed(step_seed(5, 0))
+    t = config.t_min + (config.t_max - config.t_min) * torch.rand(4, generator=gen)
+    assert bool((t > 0.5).any()) and bool((t < 0.5).any())  # seed 5 draws both sides
+    picked = torch.where((t > 0.5)[:, None, None], m, -m)
+    assert _same(_trained(steps, config, torch.tensor([0.9, 0.1])), _trained(picked, config))
+
+
+def test_step_maps_need_their_step_times():
+    model, params, x0 = _policy()
+    opt, h, w = torch.optim.SGD(params, lr=0.1), *x0.shape[-2:]
+    with pytest.raises(ValueError, match="come with their steps' times"):
+        nft_update(model, opt, PROMPTS, x0, torch.zeros(4, 2, h, w), NftConfig(), CFG, 0)
+    with pytest.raises(ValueError, match="come with their steps' times"):
+        nft_update(model, opt, PROMPTS, x0, torch.zeros(4, h, w), NftConfig(centre=False), CFG,
+                   0, step_times=torch.tensor([0.9, 0.1]))
+    with pytest.raises(ValueError, match="decrease strictly"):
+        nft_update(model, opt, PROMPTS, x0, torch.zeros(4, 2, h, w), NftConfig(), CFG, 0,
+                   step_times=torch.tensor([0.1, 0.9]))
 
 
 def test_a_nan_advantage_skips_the_step_and_keeps_the_weights():

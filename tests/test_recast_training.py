@@ -5,7 +5,8 @@ the training weights keep W's marginals (rows average to lambda_k / mean(lambda)
 the number of rewards) and put a reward's weight where it is informative. Stages: on a copy of the
 reference store, static weighting at equal budgets trains the same LoRA as CAST, ReCAST runs its
 gain stage, records its weights and trains a different LoRA, and re-estimates W only every
-`recast.every` iterations (iteration 1 reuses iteration 0's gains)."""
+`recast.every` iterations (iteration 1 reuses iteration 0's gains). Under NFT: unit weights train
+CAST's NFT LoRA, and ReCAST weights the schedule steps the forward-noise draws reach."""
 
 import json
 import shutil
@@ -188,3 +189,60 @@ def test_recast_weighting_estimates_gains_records_weights_and_trains(ref, tmp_pa
     second = gains_for_training(store, recipe, 1)
     assert second.skipped and second.content_hash == first["recast_gains"].content_hash
     assert {r["iteration"] for r in _rows(store, "recast_gains")} == {0}
+
+
+NFT_CAST = {"train.objective": "nft", "sampling.noise_level": 0.0, "window.mode": "fixed",
+            "advantage.kind": "spatial"}
+
+
+@pytest.fixture(scope="module")
+def nft_ref(ref, tmp_path_factory):
+    """An NFT iteration with CAST's map (no step weights) on the reference prompts."""
+    store = Store(tmp_path_factory.mktemp("nft-ref") / "store")
+    run_iteration(store, ci_recipe(ref[2], **NFT_CAST), 0)
+    return store, ref[2]
+
+
+def test_nft_static_equal_budgets_train_the_same_lora_as_nft_cast(nft_ref, tmp_path):
+    """Under NFT the step maps at unit weights are CAST's map at every step, whatever step each
+    draw's t is nearest: the same LoRA; the weights are recorded with the steps' times."""
+    src, prompts = nft_ref
+    shutil.copytree(src.root, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    again = run_iteration(store, ci_recipe(prompts, **NFT_CAST, **{"recast.weighting": "static"}),
+                          0)
+    assert again["compute_advantages"].skipped and not again["train_epoch"].skipped
+    weights = json.loads(_rows(store, "train_steps", iteration=0)[0]["reward_step_weights_json"])
+    k = len(weights["step_times"])
+    assert k >= 2 and {t: weights[t] for t in ATOM_TYPES} == {t: [1.0] * k for t in ATOM_TYPES}
+    trained = store.get_tensors(_rows(store, "checkpoints", iteration=0)[0]["lora_path"])
+    cast = src.get_tensors(_rows(src, "checkpoints", iteration=0)[0]["lora_path"])
+    assert trained.keys() == cast.keys()
+    for name in cast:
+        torch.testing.assert_close(trained[name], cast[name], atol=1e-5, rtol=1e-4)
+
+
+def test_nft_recast_weighting_weights_the_steps_its_draws_reach(nft_ref, tmp_path):
+    """ReCAST under NFT: W is solved over the schedule steps that a t in [t_min, t_max] is
+    nearest to (`nft.covered_steps`), recorded with their times; it trains another LoRA."""
+    from cast_core.nft import covered_steps
+    from tasks.stages.models import load_policy
+
+    src, prompts = nft_ref
+    shutil.copytree(src.root, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    recipe = ci_recipe(prompts, **NFT_CAST, **{"recast.weighting": "recast", **SMALL_GAINS})
+    first = run_iteration(store, recipe, 0)
+    assert not first["recast_gains"].skipped and not first["train_epoch"].skipped
+    schedule = load_policy(recipe, None)[0].sigmas(recipe.sampling.num_steps)[:-1].double()
+    start, end = covered_steps(schedule, recipe.train.nft_t_min, recipe.train.nft_t_max)
+    weights = json.loads(_rows(store, "train_steps", iteration=0)[0]["reward_step_weights_json"])
+    assert weights["step_times"] == [round(float(x), 6) for x in schedule[start:end]]
+    w = torch.tensor([weights[t] for t in ATOM_TYPES], dtype=torch.float64)  # [4, K]
+    assert w.shape == (4, end - start) and bool((w > 0).all())
+    torch.testing.assert_close(w.sum(dim=0), torch.full((end - start,), 4.0,
+                                                        dtype=torch.float64), atol=1e-4, rtol=0)
+    trained = store.get_tensors(_rows(store, "checkpoints", iteration=0)[0]["lora_path"])
+    cast = src.get_tensors(_rows(src, "checkpoints", iteration=0)[0]["lora_path"])
+    assert any(not torch.equal(trained[n], cast[n]) for n in cast)
+    assert all(v.isfinite().all() for v in trained.values())

@@ -101,10 +101,6 @@ class Recipe(Section):
         if self.sampling.noise_level == 0 and self.window.mode == "calibrated":
             raise ValueError("sampling.noise_level = 0 has no SDE window to calibrate: set "
                              "window.mode = 'fixed'")
-        if self.train.objective == "nft" and self.recast.weighting != "none":
-            raise ValueError("recast.weighting with train.objective = 'nft' is not implemented "
-                             "(per-step weights over the forward-noise t): set "
-                             "recast.weighting = 'none' or train.objective = 'sde'")
         if self.train.kl_target_nats is not None and self.train.objective == "nft":
             raise ValueError("train.kl_target_nats sets the lr from the update's KL in nats, "
                              "which needs the SDE's likelihoods; train.objective = 'nft' has none: "

@@ -13,7 +13,9 @@ iterations; `cast_core.lr_schedule.linear_warmup_lr`) applied to the iteration's
 how far that iteration moved the policy, so that each iteration moves about the target). With
 `recast.weighting` "static" or "recast" the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
 weighted by `tasks.stages.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
-stage) and clamped (`cast_core.pixel_map.step_weighted_maps`). It writes:
+stage) and clamped (`cast_core.pixel_map.step_weighted_maps`); under NFT, one map per step of
+the sampling schedule that its forward-noise t draws can reach, each draw taking the map of the
+step nearest its t (`cast_core.nft.covered_steps`, `credit_at_t`). It writes:
 - `train_steps`: one row per optimizer step with the samples it used, loss, clip fraction, ratio
   mean/std (also the ratio mean and clip fraction per window step), the ratio's k3, the KL to the
   rollout policy and (kl_beta > 0) to the reference in nats per sample and window step (summed
@@ -72,6 +74,7 @@ from cast_core.csg.graph import ATOM_TYPES
 from cast_core.data_parallel import SOLO, Shard, same_on_all_ranks
 from cast_core.diagnostics import high_frequency_energy
 from cast_core.lr_schedule import kl_targeted_lr
+from cast_core.nft import covered_steps
 from cast_core.pixel_map import split_step_maps, step_weighted_maps
 from cast_core.rollout import Rollout
 from cast_core.window import SdeWindow
@@ -141,30 +144,51 @@ def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None,
     return optimizer
 
 
+@dataclass(frozen=True)
+class Credit:
+    """The update's advantages (`_advantages`) and, for step maps, what `train_steps` records."""
+
+    advantages: torch.Tensor
+    loss_kind: str
+    weights_json: str | None = None
+    step_times: torch.Tensor | None = None
+
+
 def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], window: SdeWindow,
-                gains: StageRef | None) -> tuple[torch.Tensor, str, str | None]:
-    """(advantages, loss kind, step weights as JSON or None): `pick_advantage`; with
-    `advantage.scalar_steps` its map on the later window steps and the scalar advantage on the
-    first ones (`split_step_maps`, [N, K, h, w]); with `recast.weighting` the type maps weighted
-    per window step ([N, K, h, w])."""
-    weights = reward_step_weights(store, recipe, window.start, window.end, gains)  # [4, K]
+                gains: StageRef | None, schedule: torch.Tensor | None = None) -> Credit:
+    """`pick_advantage`; with `advantage.scalar_steps` its map on the later window steps and the
+    scalar advantage on the first ones (`split_step_maps`, [N, K, h, w]); with `recast.weighting`
+    the type maps weighted per window step ([N, K, h, w]), or under NFT per step of `schedule`
+    (the backbone's step times [S]) that its t draws reach (`nft.covered_steps`), returned with
+    those steps' times."""
+    start, end, times = window.start, window.end, None
+    nft_steps = recipe.train.objective == "nft" and recipe.recast.weighting != "none"
+    if nft_steps:
+        if schedule is None:
+            raise ValueError("NFT with recast.weighting needs the schedule's step times")
+        start, end = covered_steps(schedule, recipe.train.nft_t_min, recipe.train.nft_t_max)
+        times = schedule[start:end].double()
+    weights = reward_step_weights(store, recipe, start, end, gains)  # [4, K]
     if weights is None:
         adv, kind = pick_advantage(blob, recipe.advantage.kind)
         if recipe.advantage.scalar_steps:
             adv = split_step_maps(blob["scalar"], adv, window.end - window.start,
                                   recipe.advantage.scalar_steps)
-        return adv, kind, None
+        return Credit(adv, kind)
     maps = step_weighted_maps(blob["type_maps"], weights, recipe.advantage.clip)
-    text = json.dumps({k: [round(float(x), 6) for x in weights[i]]
-                       for i, k in enumerate(ATOM_TYPES)})
-    return maps, "spatial", text
+    record = {k: [round(float(x), 6) for x in weights[i]] for i, k in enumerate(ATOM_TYPES)}
+    if nft_steps:
+        record["step_times"] = [round(float(x), 6) for x in times]
+    return Credit(maps, "spatial", json.dumps(record), times)
 
 
 def read_batch(store: Store, recipe: Recipe, rows: list[dict], csgs: StageRef,
                advantages: StageRef, gains: StageRef | None, device: torch.device,
-               iteration: int = 0, shard: Shard = SOLO) -> TrainBatch:
+               iteration: int = 0, shard: Shard = SOLO,
+               schedule: torch.Tensor | None = None) -> TrainBatch:
     """The update's inputs for the rollout `rows` (in blob order): their window steps on the
-    transformer's `device` (where the replay's velocities are), prompts and advantages. A rank
+    transformer's `device` (where the replay's velocities are), prompts and advantages
+    (`schedule`: the backbone's step times, needed by NFT with `recast.weighting`). A rank
     of a data-parallel group reads the window steps of its samples only (`held_samples` of the
     `iteration`'s update; `Store.get_tensor_rows`), the prompts and advantages of all."""
     held = held_samples(recipe, len(rows), iteration, shard)
@@ -184,9 +208,10 @@ def read_batch(store: Store, recipe: Recipe, rows: list[dict], csgs: StageRef,
     texts = {pid: json.loads(g)["prompt"] for pid, g in load_graphs(store, csgs).items()}
     adv_blob = store.get_tensors(store.read_output(advantages, "advantage_maps",
                                                    ["map_path"])["map_path"][0].as_py())
-    adv, loss_kind, weights_json = _advantages(store, recipe, adv_blob, window, gains)
+    credit = _advantages(store, recipe, adv_blob, window, gains, schedule)
     return TrainBatch([texts[r["prompt_id"]] for r in rows], rollout, spec,
-                      adv[[r["blob_index"] for r in rows]], loss_kind, weights_json, held)
+                      credit.advantages[[r["blob_index"] for r in rows]], credit.loss_kind,
+                      credit.weights_json, held, credit.step_times)
 
 
 def read_stats(store: Store, scores: StageRef, advantages: StageRef,
@@ -265,7 +290,10 @@ def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: Poli
     optimizer = _optimizer(store, recipe, params, policy.optimizer_path, lr)
     rows = load_rollout_rows(store, rollouts)
     device = next(backbone.transformer.parameters()).device
-    batch = read_batch(store, recipe, rows, csgs, advantages, gains, device, iteration, shard)
+    schedule = (backbone.sigmas(recipe.sampling.num_steps)[:-1].double().cpu()
+                if recipe.train.objective == "nft" else None)
+    batch = read_batch(store, recipe, rows, csgs, advantages, gains, device, iteration, shard,
+                       schedule)
     outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr, shard)
     policy_hash = _same_policy(outcome.lora, shard, device)
     read = tuple(range(len(rows)) if batch.held is None else batch.held.tolist())

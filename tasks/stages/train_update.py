@@ -44,7 +44,8 @@ class TrainBatch:
     scalars (`pick_advantage`), or [N, K, h, w] step maps (ReCAST); loss_kind: "spatial" or
     "scalar"; weights_json: the ReCAST step weights as `train_steps` stores them, or None;
     held: None when `rollout` holds all N samples, else the sorted indices of the samples it
-    holds (a data-parallel rank's, `held_samples`); prompts and advantages are always all N's."""
+    holds (a data-parallel rank's, `held_samples`); prompts and advantages are always all N's;
+    step_times: with NFT and step maps, the schedule times [K] of their steps (else None)."""
 
     prompts: list[str]
     rollout: Rollout
@@ -53,6 +54,7 @@ class TrainBatch:
     loss_kind: str
     weights_json: str | None
     held: Tensor | None = None
+    step_times: Tensor | None = None
 
 
 
@@ -187,7 +189,8 @@ def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recip
             return nft_update(backbone, optimizer, batch.prompts, batch.rollout.x0,
                               batch.advantages, nft_config(recipe), nft_training_guidance(recipe),
                               derive_seed(seed, "nft", iteration), lr_for_step=lr_for_step,
-                              on_step=show, shard=shard, held=batch.held)
+                              on_step=show, shard=shard, held=batch.held,
+                              step_times=batch.step_times)
         return policy_update(backbone, optimizer, batch.prompts, batch.rollout, batch.spec,
                              batch.advantages, policy_config(recipe, batch.loss_kind),
                              shuffle_seed=derive_seed(seed, "shuffle", iteration), on_step=show,

@@ -30,7 +30,8 @@ them):
   each over the step's samples and positions (null when the step was skipped).
 - `train_steps.reward_step_weights_json` (version 3): with `recast.weighting` "static" or
   "recast", {atom type: [weight at each window step]} the loss applied to that type's share of
-  the map (null with "none").
+  the map (null with "none"); with `train.objective = "nft"` the steps are the schedule's that
+  the forward-noise draws reach, and the key "step_times" gives their times.
 - `train_steps` version 4: a row is one optimizer step (gradients accumulated over micro-batches;
   `samples` says how many samples it used) and `lr` the lr it ran with (warm-up included).
   KLs: `policy_kl_nats` = KL(rollout policy || policy being trained) per sample and window step
