@@ -6,6 +6,11 @@ policy changes.
 
 Slow: starting the cluster and its actors' processes costs tens of seconds on two cores."""
 
+import os
+import signal
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -95,35 +100,58 @@ def test_no_reload_between_stages_or_iterations(ray_run):
     assert first["scorer"] == second["scorer"] == [1, 1]
 
 
+def _killed_once(tally, marker: str):
+    """A rollout shard's progress callback: counts with `tally`, and at the first step it is
+    called for, SIGKILLs the process it runs in (a policy actor's, mid-shard) unless `marker`
+    exists, which it creates first: the shard Ray retries on the restarted actor runs through."""
+
+    def progress(n: int) -> None:
+        tally(n)
+        if not os.path.exists(marker):
+            open(marker, "x").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return progress
+
+
+def _dies_mid_shard(actor, marker: str) -> SimpleNamespace:
+    """`actor` as `Workers.rollout` calls it, its shard's progress callback (the last argument)
+    made `_killed_once`."""
+
+    def remote(*args):
+        *head, tally = args
+        return actor.rollout_shard.remote(*head, _killed_once(tally, marker))
+
+    return SimpleNamespace(rollout_shard=SimpleNamespace(remote=remote))
+
+
 @pytest.mark.slow
 def test_a_killed_actors_shard_is_redone(ray_run, tmp_path_factory):
-    """SIGKILL a policy actor while its shard samples: Ray restarts it and retries the shard,
-    and the stage writes the single-process rows and blobs, with no shard blob left over."""
-    import os
-    import signal
-    import threading
-    import time
-
+    """SIGKILL a policy actor mid-shard: Ray restarts it and retries the shard on the new
+    process, and the stage writes the single-process rows and blobs, with no shard blob left
+    over. The actor's process kills itself at its shard's first ODE step, however slow the
+    machine: a kill timed from outside (a sleep) can land before the shard starts or after it
+    returned (no retry to test), or while the shard's blob is written (SIGKILL leaves
+    `atomic_write`'s temp file in blobs/, which the last check counts)."""
     local_store, _, _, local = reference(tmp_path_factory)
     _, recipe, _, _, _ = ray_run
-    store = Store(tmp_path_factory.mktemp("ray-fault") / "store")
+    base = tmp_path_factory.mktemp("ray-fault")
+    store, marker = Store(base / "store"), base / "killed"
     stages = plain_stages()
     setup = run_setup(stages, store, recipe)
     with executor(recipe) as workers:
         victim = workers.policy[1]
         pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
-        got = {}
-        call = threading.Thread(target=lambda: got.update(ref=stages.rollout(
-            store, recipe, setup["build_csgs"], setup["calibrate_window"], 0, workers=workers)))
-        call.start()
-        time.sleep(1.0)  # the fresh actor is loading the backbone or sampling its shard
-        os.kill(pid, signal.SIGKILL)
-        call.join(timeout=300)
+        dying = replace(workers, policy=(workers.policy[0], _dies_mid_shard(victim, str(marker))))
+        ref = stages.rollout(store, recipe, setup["build_csgs"], setup["calibrate_window"], 0,
+                             workers=dying)
         restarted = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+        loads = ray.get(victim.loads.remote())
         workers.release()
-    assert restarted != pid
-    assert _rows(store, got["ref"], "rollouts") == _rows(local_store, local["rollout"], "rollouts")
-    assert got["ref"].content_hash == local["rollout"].content_hash
+    assert marker.exists() and restarted != pid
+    assert (loads.backbone, loads.lora) == (1, 0)  # the new process sampled the shard again
+    assert _rows(store, ref, "rollouts") == _rows(local_store, local["rollout"], "rollouts")
+    assert ref.content_hash == local["rollout"].content_hash
     recorded = {p for record in store.stage_records() for p in record.paths}
     stored = {p.relative_to(store.root).as_posix() for p in (store.root / "blobs").rglob("*.*")}
     assert stored == {p for p in recorded if p.startswith("blobs/")}

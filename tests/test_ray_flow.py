@@ -6,7 +6,8 @@ local cluster (`ray.address = ""`), as a flow run on a machine without one does;
 and two scorer actors reserve two CPUs, as in the other Ray tests. The second flow run finds the
 first one's actors on the cluster, still loaded: no backbone is read again, only the trained LoRA
 is swapped in where an actor did not train it. The window calibration's progress bar, moved by
-the actor, shows in the Ray flow run's logs as the local one does.
+the actor, and the rollout's, moved by the policy actors' shards, show in the Ray flow runs' logs
+as the local ones do.
 
 The flows run in a child process (`python -m tests.test_ray_flow ROOTS OVERRIDES OUT`, which
 writes the actors' loads to OUT as JSON), where Prefect starts a temporary server and the flow
@@ -43,6 +44,7 @@ TABLES = ("csgs", "atoms", "calibration_curves", "windows", "rollouts", "atom_sc
 WALL_TIMES = ("stage_seconds_json",)
 # a calibration bar's last line in a flow run's logs, naming its task run
 FULL_BAR = re.compile(r"Task run '(calibrate_window-\w+)' - window calibration \(\d+ prompts\): 100%")
+FULL_ROLLOUT_BAR = re.compile(r"Task run '(rollout-\w+)' - rollout \d+ \(\d+ samples\): 100%")
 
 
 def deployment(name: str = "train-iteration") -> dict:
@@ -107,6 +109,8 @@ def test_the_deployment_runs_on_ray_and_writes_the_local_rows(tmp_path):
     assert loads == {"policy": [[1, 0], [1, 1]], "scorer": [1, 1]}
     # each executor's first flow run calibrated, and its bar reached 100% in the run's logs
     assert len(set(FULL_BAR.findall(done.stderr))) == 2, done.stderr[-6000:]
+    # every flow run's rollout bar reached 100% in its logs, on the actors as in the process
+    assert len(set(FULL_ROLLOUT_BAR.findall(done.stderr))) == 2 * FLOW_RUNS, done.stderr[-6000:]
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 measures its curves on the first policy actor, with the backbone that actor then keeps for the
 whole run, and a local LLM CSG builder builds its graphs there; the rows equal the local
 executor's, and the flow's process reads no backbone from disk for the whole run. The actor's
-calibration moves the stage's progress bar in the flow's process (`tasks.stages.ray_progress`).
-One fast test calls a policy actor's calibration in this process (no Ray), another the bar's
-arithmetic.
+calibration, and the policy actors' rollout shards, move the stage's progress bar in the flow's
+process (`tasks.stages.ray_progress`). Fast tests call a policy actor's calibration and rollout
+shard in this process (no Ray), and the bar's arithmetic.
 
 Slow (the Ray tests): starting the cluster and its actors' processes costs tens of seconds on two
 cores."""
@@ -25,10 +25,11 @@ from tasks.stages.iteration import plain_stages, run_iteration, run_setup
 from tasks.stages.models import builder_id
 from tasks.stages.policy_state import base_policy
 from tasks.stages.ray_actors import PolicyWorker
-from tasks.stages.ray_progress import RemoteProgress, Tally, remote_progress
-from tasks.stages.ray_workers import _runtime_env, executor, init_ray
+from tasks.stages.ray_progress import RemoteProgress, Tally, remote_progress, start_counter
+from tasks.stages.ray_workers import _runtime_env, executor, init_ray, shards
+from tasks.stages.rollout import rollout_bar
 from tasks.store.store import Store
-from tests.pipeline_helpers import ci_recipe, reference
+from tests.pipeline_helpers import ci_recipe, reference, write_small_prompts
 from tests.test_ray_executor import RAY
 
 ray = pytest.importorskip("ray")
@@ -170,6 +171,59 @@ def test_the_actors_calibration_moves_the_bar_in_the_flows_process(cluster, tmp_
     assert sum(bar.moves) == total
 
 
+def test_a_policy_actors_rollout_shard_counts_each_step_of_each_chunk(tmp_path):
+    """A policy actor's rollout shard calls its progress callback once after each ODE step of
+    each of its chunks: the units of the rollout's bar for its samples (the shard is called in
+    this process, no Ray); the bar of a sharded rollout counts each shard's chunks."""
+    recipe = ci_recipe(write_small_prompts(tmp_path / "prompts.jsonl"),
+                       **{"sampling.chunk_size": 3})
+    picks = [{"prompt_id": "p0", "prompt": "a photo of a red circle"},
+             {"prompt_id": "p1", "prompt": "a photo of two blue squares"}]
+    calls: list[int] = []
+    PolicyWorker().rollout_shard(str(tmp_path / "store"), recipe, base_policy(recipe),
+                                 {"window_start": 1, "window_end": 4}, picks, 0, calls.append)
+    assert calls == [1] * (3 * 6)  # ceil(8 samples / 3) chunks x 6 steps
+    assert rollout_bar([8], recipe.sampling, 0) == (3 * 6, "rollout 0 (8 samples)")
+    assert rollout_bar([8, 8], recipe.sampling, 0) == (2 * 3 * 6, "rollout 0 (16 samples)")
+
+
+@pytest.mark.slow
+def test_the_actors_rollout_moves_the_bar_in_the_flows_process(cluster, tmp_path_factory,
+                                                                monkeypatch):
+    """A rollout in shards on the policy actors opens the local stage's bar in the flow's
+    process (its description; its total counts each shard's chunks) and fills it, the steps
+    the actors counted moving it; the rollout is the local one."""
+    _, _, prompts, local = reference(tmp_path_factory)
+    recipe = ci_recipe(prompts, **RAY)
+    store = Store(tmp_path_factory.mktemp("ray-rollout-bar") / "store")
+    stages = plain_stages()
+    setup = run_setup(stages, store, recipe)  # in this process, before the bar is watched
+    bar, relayed = Bar(), []
+    show = RemoteProgress._show
+
+    def taken(progress: RemoteProgress, n: int, shown: int) -> int:
+        relayed.append(n)  # what the counter handed over; the last call fills the bar
+        return show(progress, n, shown)
+
+    monkeypatch.setattr("tasks.stages.ray_progress.stage_progress", bar)
+    monkeypatch.setattr("tasks.stages.rollout.stage_progress", bar)
+    monkeypatch.setattr(RemoteProgress, "_show", taken)
+    with executor(recipe) as workers:
+        ref = stages.rollout(store, recipe, setup["build_csgs"], setup["calibrate_window"], 0,
+                             workers=workers)
+        workers.release()
+    assert ref.content_hash == local["rollout"].content_hash
+    g, b = recipe.prompts.group_size, recipe.prompts.per_iteration
+    total, desc = rollout_bar([len(p) * g for p in shards(range(b), recipe.ray.rollout_workers)],
+                              recipe.sampling, 0)
+    assert bar.opened == [(total, desc)]
+    assert sum(bar.moves) == total
+    # the counter handed the actors' counts over (every `_show` but the last, which fills the
+    # bar once the calls have returned: counts still in flight then are filled in, so that
+    # some arrive is certain, not how many)
+    assert sum(relayed[:-1]) > 0, relayed
+
+
 @pytest.mark.slow
 def test_an_actors_counts_reach_the_bar_while_its_call_runs(cluster, monkeypatch):
     """Units an actor's call counts with its `Tally` move the bar in this process before the
@@ -184,9 +238,11 @@ def test_an_actors_counts_reach_the_bar_while_its_call_runs(cluster, monkeypatch
             time.sleep(1.0)
         return n
 
-    with remote_progress(4, "ticks", _runtime_env()) as progress:
+    counter = start_counter(runtime_env=_runtime_env())
+    with remote_progress(4, "ticks", counter) as progress:
         call = ray.remote(num_cpus=0)(ticking).remote(progress.tally, 4)
         assert progress.get([call]) == [4]
+    ray.kill(counter)
     assert bar.opened == [(4, "ticks")]
     assert sum(bar.moves) == 4 and len(bar.moves) >= 2, bar.moves
 

@@ -9,9 +9,10 @@ through the store as one content-addressed blob) or an evaluation shard, estimat
 the base model), builds a local LLM builder's graphs, and trains: alone, or as one rank of the
 data-parallel group the first `ray.train_workers` of them join for the call
 (`tasks.stages.train_group`), reading only its own samples' window steps; it then holds the
-trained policy, so its next rollout reloads nothing. A scorer actor (`ScorerWorker`) holds the
-recipe's scorer, reloaded only when the scorer section changes, and scores the rows or images it
-is given, each with all its atoms.
+trained policy, so its next rollout reloads nothing. A rollout shard and the calibration count
+their ODE steps for the flow's progress bar (`tasks.stages.ray_progress`). A scorer actor
+(`ScorerWorker`) holds the recipe's scorer, reloaded only when the scorer section changes, and
+scores the rows or images it is given, each with all its atoms.
 
 Nothing here imports Ray: `ray_workers.connect` makes these classes actors.
 """
@@ -55,13 +56,16 @@ class PolicyWorker:
         self.samples_read: tuple[int, ...] = ()  # by its last training: its rank's samples
 
     def rollout_shard(self, root: str, recipe: Recipe, policy: PolicyState, window_row: dict,
-                      picks: list[dict], iteration: int) -> BlobRef:
-        """Sample the groups of `picks` -> the blob of their window steps and images."""
+                      picks: list[dict], iteration: int,
+                      progress: Callable[[int], object] | None = None) -> BlobRef:
+        """Sample the groups of `picks` -> the blob of their window steps and images.
+        `progress` is called after each ODE step of each chunk (a `ray_progress.Tally`, which
+        counts it for the flow's progress bar)."""
         store = Store(root)
         set_threads(recipe)
         backbone, _ = self.resident.get(store, recipe, policy)
         sampled = sample_groups(backbone, recipe, rollout_spec(recipe, window_row), picks,
-                                iteration)
+                                iteration, progress)
         r = sampled.rollout
         return store.put_tensors({"x0": r.x0, "latents": r.latents,
                                   "next_latents": r.next_latents, "log_probs": r.log_probs,

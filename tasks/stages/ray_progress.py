@@ -2,16 +2,19 @@
 
 In the flow's process a long stage shows a bar (`tasks.stages.progress`); on an actor the bar
 would be drawn in the actor's process, where no one reads it (its stderr is no terminal, and the
-Prefect run's logger is in the flow's process). `remote_progress` opens the stage's bar in the
-flow's process and a `ProgressCounter` actor (reserving no CPU, so it fits on a cluster that the
-run's actors fill). The actor's work is given a `Tally`, the `progress(n)` callback it calls after
-each unit of work (an ODE step of a chunk), which adds to the counter without waiting for an
-answer, so counting neither slows the work nor fails it. `RemoteProgress.get` waits for the
-actor's calls and every `POLL_S` seconds moves the bar by what the counter took in; when the
-calls have returned it fills the bar (adds still in flight then are counted as done, and a call
-Ray retried counts no more than the total). The bar logs as the local one does: inside a Prefect
-run one line at most every `progress.LOG_INTERVAL_S` seconds, so the relayed counts do not flood
-the run's logs.
+Prefect run's logger is in the flow's process). The run keeps a `ProgressCounter` actor beside its
+policy and scorer actors (`start_counter`, from `ray_workers.connect`; it reserves no CPU, so it
+fits on a cluster that the run's actors fill). `remote_progress` opens the stage's bar in the
+flow's process and clears the counter of what earlier stages' calls left in it. The actors' work
+is given a `Tally`, the `progress(n)` callback it calls after each unit of work (an ODE step of a
+chunk), which adds to the counter without waiting for an answer, so counting neither slows the
+work nor fails it. `RemoteProgress.get` waits for the actors' calls and every `POLL_S` seconds
+moves the bar by what the counter took in; when the calls have returned it fills the bar (adds
+still in flight then are counted as done, and a call Ray retried counts no more than the total).
+The counter is started once a run, not once a stage: starting an actor starts a worker process
+(about a second on two busy cores), which a short stage such as a small rollout would wait for.
+The bar logs as the local one does: inside a Prefect run one line at most every
+`progress.LOG_INTERVAL_S` seconds, so the relayed counts do not flood the run's logs.
 
 Ray is imported inside the functions that need it.
 """
@@ -30,7 +33,7 @@ POLL_S = 0.5  # how often the flow's process asks the counter
 
 class ProgressCounter:
     """Units of work counted since the flow's process last took them (a Ray actor, made by
-    `remote_progress`)."""
+    `start_counter`)."""
 
     def __init__(self) -> None:
         self.units = 0
@@ -89,15 +92,21 @@ class RemoteProgress:
         return step
 
 
-@contextmanager
-def remote_progress(total: int, desc: str, runtime_env: dict) -> Iterator[RemoteProgress]:
-    """The stage's bar of `total` units (`progress.stage_progress`) and a counter actor for it
-    (started with `runtime_env`, killed on exit)."""
+def start_counter(**options: Any):
+    """A `ProgressCounter` actor reserving no CPU -> its handle; `options` go to Ray's actor
+    options (its name, lifetime, runtime environment...)."""
     import ray
 
-    counter = ray.remote(ProgressCounter).options(num_cpus=0, runtime_env=runtime_env).remote()
-    try:
-        with stage_progress(total, desc) as advance:
-            yield RemoteProgress(Tally(counter), advance, total)
-    finally:
-        ray.kill(counter)
+    return ray.remote(ProgressCounter).options(num_cpus=0, **options).remote()
+
+
+@contextmanager
+def remote_progress(total: int, desc: str, counter: Any) -> Iterator[RemoteProgress]:
+    """The stage's bar of `total` units (`progress.stage_progress`), moved by what the actors
+    count into `counter` (a `start_counter` handle). The counter is first cleared of what
+    earlier stages' calls added after their last take, without waiting for it: it runs this
+    process's calls in order, so the clearing comes before this stage's takes (an add that
+    overtakes it, only possible while the counter starts, is lost to the bar until the fill)."""
+    with stage_progress(total, desc) as advance:
+        counter.take.remote()
+        yield RemoteProgress(Tally(counter), advance, total)

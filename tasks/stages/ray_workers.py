@@ -12,17 +12,19 @@ The training runs on the first `ray.train_workers` policy actors, data-parallel 
 several, and rank 0 writes. The samples to score are split between the scorer actors, each with
 all its atoms. An evaluation (`tasks.stages.evaluate`) samples on the policy actors in shards of
 whole chunks and scores on the scorer actors. ReCAST's gains, the window calibration's curves
-(its progress relayed to the stage's bar here, `tasks.stages.ray_progress`) and a local LLM
-builder's graphs are computed on the first policy actor. The stage's completion record is written
-by `run_stage` after the body returns, so after every shard has finished. A remote scorer
-service (`scorer.kind = "remote"`) stays the option for scorers on other machines: the scorer
-actors then call it.
+and a local LLM builder's graphs are computed on the first policy actor. The rollout's and the
+calibration's progress is relayed from the actors to the stage's bar in the flow's process
+(`tasks.stages.ray_progress`). The stage's completion record is written by `run_stage` after
+the body returns, so after every shard has finished. A remote scorer service
+(`scorer.kind = "remote"`) stays the option for scorers on other machines: the scorer actors
+then call it.
 
 Scheduling is Ray's: actors are placed by the resources they reserve (`[ray]` section), named
 per run (`<run>-policy-<i>`, `<run>-scorer-<i>` in namespace "cast", so a later flow run on the
-same cluster finds them loaded), and restarted by Ray when their process dies, the call in flight
-retried on the new process (`max_restarts`, `max_task_retries`): a shard is redone whole, and its
-blob, content-addressed, is written once whatever the tries. The stages stay plain functions;
+same cluster finds them loaded; with them the run's progress counter, `<run>-progress`, which
+reserves nothing), and restarted by Ray when their process dies, the call in flight retried on
+the new process (`max_restarts`, `max_task_retries`): a shard is redone whole, and its blob,
+content-addressed, is written once whatever the tries. The stages stay plain functions;
 Prefect's task runner is not involved (docs/design.md, "The Ray executor", says why).
 
 Ray is imported inside the functions that need it: the local executor never imports it.
@@ -47,10 +49,10 @@ from tasks.stages.build_csgs import CsgRows
 from tasks.stages.calibrate_window import MeasuredCurves, calibration_bar
 from tasks.stages.policy_state import PolicyState
 from tasks.stages.ray_actors import PolicyWorker, ScorerWorker
-from tasks.stages.ray_progress import remote_progress
+from tasks.stages.ray_progress import remote_progress, start_counter
 from tasks.stages.recast_gains import RecastConfig
 from tasks.stages.recipe import Recipe
-from tasks.stages.rollout import Sampled
+from tasks.stages.rollout import Sampled, rollout_bar
 from tasks.stages.train_epoch import Trained
 from tasks.stages.train_group import Group
 from tasks.store.records import BlobRef
@@ -75,16 +77,22 @@ class Workers:
 
     policy: tuple
     scorers: tuple
+    counter: Any  # the `ray_progress.ProgressCounter` the actors count their progress into
 
     def rollout(self, store: Store, recipe: Recipe, policy: PolicyState, window_row: dict,
                 picks: list[dict], iteration: int) -> Sampled:
-        """The groups of `picks` sampled in shards -> their samples, prompt-major."""
-        import ray
-
-        calls = [actor.rollout_shard.remote(str(store.root), recipe, policy, window_row, part,
-                                            iteration)
-                 for actor, part in zip(self.policy, shards(picks, len(self.policy)))]
-        return _gather(store, ray.get(calls))
+        """The groups of `picks` sampled in shards -> their samples, prompt-major; the actors'
+        progress moves the local stage's bar here (`rollout.rollout_bar`, a shard's chunks
+        counted apart)."""
+        parts = shards(picks, len(self.policy))
+        g = recipe.prompts.group_size
+        with remote_progress(*rollout_bar([len(p) * g for p in parts], recipe.sampling,
+                                          iteration), self.counter) as bar:
+            calls = [actor.rollout_shard.remote(str(store.root), recipe, policy, window_row,
+                                                part, iteration, bar.tally)
+                     for actor, part in zip(self.policy, parts)]
+            blobs = bar.get(calls)
+        return _gather(store, blobs)
 
     def score(self, store: Store, recipe: Recipe, rows: list[dict], graphs: list[SceneGraph]
               ) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
@@ -125,7 +133,7 @@ class Workers:
         """The window calibration's curves, measured on the first policy actor; its progress
         moves the local stage's bar here (`calibrate_window.calibration_bar`)."""
         with remote_progress(*calibration_bar(len(prompts), recipe.sampling),
-                             _runtime_env()) as bar:
+                             self.counter) as bar:
             call = self.policy[0].calibration_curves.remote(recipe, prompts, seeds, bar.tally)
             return bar.get([call])[0]
 
@@ -175,7 +183,7 @@ class Workers:
         """End the actors (they are otherwise kept, loaded, for the run's next flow call)."""
         import ray
 
-        for actor in (*self.policy, *self.scorers):
+        for actor in (*self.policy, *self.scorers, self.counter):
             ray.kill(actor, no_restart=True)
 
 
@@ -239,7 +247,8 @@ def connect(recipe: Recipe) -> Workers:
               for i in range(r.rollout_workers)),
         tuple(score.options(name=f"{run}-scorer-{i}", num_gpus=r.scorer_num_gpus,
                             num_cpus=r.scorer_num_cpus, **options).remote()
-              for i in range(r.scorer_workers)))
+              for i in range(r.scorer_workers)),
+        start_counter(name=f"{run}-progress", **options))
 
 
 def _runtime_env() -> dict:

@@ -17,7 +17,8 @@ sheet (one row per prompt). A progress bar counts the denoising steps (`tasks.st
 
 Sampling (`sample_groups`) and writing (`write_rollout`) are apart: with the Ray executor the
 prompt groups are sampled in shards by resident policy actors (`tasks.stages.ray_workers`) and the
-stage writes their concatenation, the same rows and blobs as one process's.
+stage writes their concatenation, the same rows and blobs as one process's; the bar is then the
+flow's too, moved by the steps the actors count (`tasks.stages.ray_progress`).
 
 Cached on the policy hash, the window row, the chosen prompts and the sampling section.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +42,7 @@ from tasks.stages.models import set_threads
 from tasks.stages.policy_state import load_policy_of, policy_for
 from tasks.stages.progress import stage_progress
 from tasks.stages.recipe import Recipe
+from tasks.stages.recipe_sections import SamplingSection
 from tasks.store.stage import StageRef, derive_seed, make_key, run_stage
 from tasks.store.store import Store
 
@@ -144,17 +147,25 @@ class Sampled:
     images: torch.Tensor
 
 
+def rollout_bar(samples: Sequence[int], sampling: SamplingSection, iteration: int
+                ) -> tuple[int, str]:
+    """The rollout's progress bar for processes sampling `samples[i]` samples each (one process
+    locally, one shard a policy actor with Ray): (its total, one unit an ODE step of a chunk of
+    `sampling.chunk_size` samples, as `cast_core.rollout.rollout` counts them; its description)."""
+    chunks = sum(-(-n // sampling.chunk_size) for n in samples)
+    return chunks * sampling.num_steps, f"rollout {iteration} ({sum(samples)} samples)"
+
+
 def sample_groups(backbone, recipe: Recipe, spec: RolloutSpec, picks: list[dict],
-                  iteration: int) -> Sampled:
+                  iteration: int, progress: Callable[[int], object] | None = None) -> Sampled:
     """The G samples of each picked prompt with the loaded policy; every draw is seeded from
-    (run seed, iteration, prompt id, sample index), so any split of `picks` gives the same rows."""
+    (run seed, iteration, prompt id, sample index), so any split of `picks` gives the same rows.
+    `progress` is called after each ODE step of each chunk (`rollout_bar` counts them)."""
     g, chunk = recipe.prompts.group_size, recipe.sampling.chunk_size
     prompts = [p["prompt"] for p in picks for _ in range(g)]
     seeds, noise_seeds = group_seeds(recipe, picks, iteration)
-    with stage_progress(-(-len(prompts) // chunk) * spec.num_steps,
-                        f"rollout {iteration} ({len(prompts)} samples)") as advance:
-        result = rollout(backbone, prompts, seeds, spec, chunk_size=chunk,
-                         noise_seeds=noise_seeds, progress=advance)
+    result = rollout(backbone, prompts, seeds, spec, chunk_size=chunk, noise_seeds=noise_seeds,
+                     progress=progress)
     return Sampled(result, decode_uint8(backbone, result.x0, chunk))  # images [N, 3, H, W]
 
 
@@ -194,8 +205,10 @@ def rollout_groups(store: Store, recipe: Recipe, csgs: StageRef, window: StageRe
         if workers is None:
             set_threads(recipe)
             backbone, _ = load_policy_of(store, recipe, policy)
-            sampled = sample_groups(backbone, recipe, spec, picks, iteration)
-        else:
+            samples = len(picks) * recipe.prompts.group_size
+            with stage_progress(*rollout_bar([samples], recipe.sampling, iteration)) as advance:
+                sampled = sample_groups(backbone, recipe, spec, picks, iteration, advance)
+        else:  # the bar in this process, moved by the actors' progress
             sampled = workers.rollout(store, recipe, policy, window_row, picks, iteration)
         return write_rollout(store, recipe, picks, policy.policy_hash, spec, sampled, iteration)
 
