@@ -7,7 +7,8 @@
     cast verify [--root ROOT] [--run RUN] [--repair --recipe FILE [--set FIELD=JSON ...]]
                                      check every recorded output against its hashes
     cast gc --keep N [--root ROOT] [--run RUN] [--dry-run]
-                                     delete old iterations' bulky blobs (tasks.store.gc)
+                                     delete old iterations' bulky blobs and the temp files
+                                     of killed writers (tasks.store.gc)
     cast serve-scorer --scorer soft-tifa --model PATH [--host H --port P --device cuda]
                                      serve a scorer over HTTP (flows.scorer_service)
 
@@ -182,13 +183,15 @@ def _gc(store: Store, args: argparse.Namespace) -> int:
     for run, kept in sorted(plan.kept.items()):
         print(f"{run}: keeping the blobs of iterations {list(kept)}")
     by_kind = ", ".join(f"{k} {_mb(v)}" for k, v in sorted(plan.bytes_by_kind().items()))
+    orphans = (f"; and {len(plan.orphans)} orphaned temp file(s) of interrupted writes, "
+               f"{_mb(plan.orphan_bytes)}" if plan.orphans else "")
     if args.dry_run:
         print(f"would delete {len(plan.blobs)} blob(s), {_mb(plan.bytes)}"
-              + (f" ({by_kind})" if by_kind else "") + "; nothing deleted (--dry-run)")
+              + (f" ({by_kind})" if by_kind else "") + orphans + "; nothing deleted (--dry-run)")
         return 0
     freed = collect(store, plan)
     print(f"deleted {len(plan.blobs)} blob(s), freed {_mb(freed)}"
-          + (f" ({by_kind})" if by_kind else ""))
+          + (f" ({by_kind})" if by_kind else "") + orphans)
     return 0
 
 

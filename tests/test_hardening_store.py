@@ -326,3 +326,31 @@ def test_stage_records_name_their_files_hashes(store):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         store.read_table("stages")  # nothing left out
+
+
+def test_gc_deletes_the_temp_files_of_killed_writers_once_they_are_old(tmp_path, capsys):
+    """A writer killed outright leaves its atomic write's temp file; gc deletes it once it is
+    older than STALE_TEMP_S, never a fresh one (a write in progress) or another dot-file."""
+    import os
+    import time
+
+    from tasks.store.gc import STALE_TEMP_S, orphaned_temp_files
+
+    st = Store(tmp_path / "store")
+    blobs = st.root / "blobs" / "ab"
+    blobs.mkdir(parents=True)
+    old = blobs / ".ab12.safetensors.4242-0123456789ab.tmp"
+    fresh = blobs / ".ab34.safetensors.4243-0123456789cd.tmp"
+    other = blobs / ".notes.tmp"  # not an atomic write's name
+    for path, data in ((old, b"x" * 1000), (fresh, b"y" * 10), (other, b"z")):
+        path.write_bytes(data)
+    past = time.time() - STALE_TEMP_S - 60
+    os.utime(old, (past, past))
+    os.utime(other, (past, past))
+    assert orphaned_temp_files(st) == ((str(old.relative_to(st.root)), 1000),)
+    assert main(["gc", "--keep", "1", "--root", str(st.root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "1 orphaned temp file(s) of interrupted writes, 0.00 MB" in out and old.exists()
+    assert main(["gc", "--keep", "1", "--root", str(st.root)]) == 0
+    assert "1 orphaned temp file(s)" in capsys.readouterr().out
+    assert not old.exists() and fresh.exists() and other.exists()

@@ -1,6 +1,8 @@
 """How every file of a store is written: it appears under its final name only when complete. It is
 written to a temporary name in the same directory (a dot-name that no glob matches), fsynced, then
-`os.replace`d, so a crash leaves the old file or the new one, never half of one.
+`os.replace`d, so a crash leaves the old file or the new one, never half of one. A writer killed
+outright (SIGKILL, a lost machine) cannot remove its temp file; `cast gc` deletes such orphans
+once they are old (`tasks.store.gc`, names matching `TEMP_NAME`).
 """
 
 from __future__ import annotations
@@ -8,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+
+TEMP_NAME = re.compile(r"^\..+\.\d+-[0-9a-f]{12}\.tmp$")  # what `atomic_write` names its temp file
 
 
 def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> str:

@@ -14,15 +14,24 @@ finished one (an unfinished iteration's inputs), run-level outputs, every LoRA, 
 table part all stay. `collect` first writes the `collected_blobs` rows, then deletes: a stage
 record naming a collected blob stays valid (the stage is done; `cast verify` says "collected").
 Blobs that no record names are left alone: they may belong to a stage still running.
+
+Orphaned temp files: a writer killed outright (SIGKILL, a lost node) leaves the temp file of its
+atomic write (`tasks.store.files.TEMP_NAME`, a dot-name no query reads). `plan_gc` lists those last
+modified more than `STALE_TEMP_S` ago (no write of a store's file takes that long; a fresher one
+may be a write in progress, on this host or another) and `collect` deletes them; no row records
+them, as no record ever named them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from tasks.store.files import TEMP_NAME
 from tasks.store.integrity import current_records
 from tasks.store.records import blob_name_hash
 from tasks.store.store import Store
@@ -31,6 +40,7 @@ from tasks.store.store import Store
 BULKY = {"window_steps": ("rollouts", "latents_path"),
          "advantage_maps": ("advantage_maps", "map_path"),
          "optimizer_state": ("checkpoints", "optimizer_path")}
+STALE_TEMP_S = 3600.0  # a temp file older than this is an interrupted write's, not a running one
 
 
 @dataclass(frozen=True)
@@ -46,11 +56,17 @@ class Collectable:
 
 @dataclass(frozen=True)
 class GcPlan:
-    """The blobs to delete and, per run, the finished iterations whose blobs are kept."""
+    """The blobs to delete and, per run, the finished iterations whose blobs are kept; the
+    orphaned temp files to delete (path under the root, bytes)."""
 
     keep: int
     blobs: tuple[Collectable, ...]
     kept: dict[str, tuple[int, ...]]
+    orphans: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def orphan_bytes(self) -> int:
+        return sum(n for _, n in self.orphans)
 
     @property
     def bytes(self) -> int:
@@ -88,20 +104,43 @@ def plan_gc(store: Store, keep: int, run_id: str | None = None) -> GcPlan:
                 blobs[path] = Collectable(path, full.stat().st_size, row["run_id"],
                                           row["iteration"], kind)
     ordered = sorted(blobs.values(), key=lambda b: (b.run_id, b.iteration, b.kind))
-    return GcPlan(keep, tuple(ordered), kept)
+    return GcPlan(keep, tuple(ordered), kept, orphaned_temp_files(store))
+
+
+def orphaned_temp_files(store: Store, older_than_s: float = STALE_TEMP_S,
+                        now: float | None = None) -> tuple[tuple[str, int], ...]:
+    """(path relative to the store root, bytes) of every atomic write's temp file last modified
+    more than `older_than_s` seconds before `now` (module docstring), sorted by path."""
+    now = time.time() if now is None else now
+    found = []
+    for path in store.root.rglob(".*.tmp"):
+        if not TEMP_NAME.match(path.name):
+            continue
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # its writer finished or removed it meanwhile
+            continue
+        if now - stat.st_mtime > older_than_s:
+            found.append((str(path.relative_to(store.root)), stat.st_size))
+    return tuple(sorted(found))
 
 
 def collect(store: Store, plan: GcPlan) -> int:
-    """Record the plan's blobs as collected, then delete them -> bytes freed."""
+    """Record the plan's blobs as collected, then delete them and the orphaned temp files ->
+    bytes freed."""
+    freed = 0
+    for name, size in plan.orphans:
+        with contextlib.suppress(FileNotFoundError):
+            (store.root / name).unlink()
+            freed += size
     if not plan.blobs:
-        return 0
+        return freed
     now = datetime.now(UTC)
     rows = [{"path": b.path, "sha256": blob_name_hash(b.path), "bytes": b.bytes,
              "run_id": b.run_id, "iteration": b.iteration, "kind": b.kind, "collected_at": now}
             for b in plan.blobs]
     store.write_table("collected_blobs", rows,
                       f"gc-{now:%Y%m%dT%H%M%S}-{secrets.token_hex(4)}")
-    freed = 0
     for b in plan.blobs:
         path = store.resolve(b.path)
         if path.exists():
