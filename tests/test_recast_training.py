@@ -146,6 +146,18 @@ def _rows(store, table, **where):
     return store.read_table(table, where).to_pylist()
 
 
+def _lora(store: Store) -> dict[str, torch.Tensor]:
+    """Iteration 0's trained LoRA tensors."""
+    return store.get_tensors(_rows(store, "checkpoints", iteration=0)[0]["lora_path"])
+
+
+def _assert_same_lora(store: Store, src: Store) -> None:
+    trained, cast = _lora(store), _lora(src)
+    assert trained.keys() == cast.keys()
+    for name in cast:
+        torch.testing.assert_close(trained[name], cast[name], atol=1e-5, rtol=1e-4)
+
+
 def test_static_equal_budgets_train_the_same_lora_as_cast(ref, tmp_path):
     store = _copy(ref, tmp_path)
     src, _, prompts, _ = ref
@@ -155,11 +167,7 @@ def test_static_equal_budgets_train_the_same_lora_as_cast(ref, tmp_path):
     steps = _rows(store, "train_steps", iteration=0)
     k = len(steps[0]["ratio_mean_per_step"])
     assert json.loads(steps[0]["reward_step_weights_json"]) == {t: [1.0] * k for t in ATOM_TYPES}
-    trained = store.get_tensors(_rows(store, "checkpoints", iteration=0)[0]["lora_path"])
-    cast = src.get_tensors(_rows(src, "checkpoints", iteration=0)[0]["lora_path"])
-    assert trained.keys() == cast.keys()
-    for name in cast:
-        torch.testing.assert_close(trained[name], cast[name], atol=1e-5, rtol=1e-4)
+    _assert_same_lora(store, src)
 
 
 def test_recast_weighting_estimates_gains_records_weights_and_trains(ref, tmp_path):
@@ -180,8 +188,7 @@ def test_recast_weighting_estimates_gains_records_weights_and_trains(ref, tmp_pa
                                rtol=0)
     torch.testing.assert_close(w.sum(dim=0), torch.full((k,), 4.0, dtype=torch.float64),
                                atol=1e-4, rtol=0)
-    trained = store.get_tensors(_rows(store, "checkpoints", iteration=0)[0]["lora_path"])
-    cast = src.get_tensors(_rows(src, "checkpoints", iteration=0)[0]["lora_path"])
+    trained, cast = _lora(store), _lora(src)
     assert any(not torch.equal(trained[n], cast[n]) for n in cast)
     assert all(v.isfinite().all() for v in trained.values())
     assert all(run_iteration(store, recipe, 0)[s].skipped for s in first)
@@ -215,11 +222,7 @@ def test_nft_static_equal_budgets_train_the_same_lora_as_nft_cast(nft_ref, tmp_p
     weights = json.loads(_rows(store, "train_steps", iteration=0)[0]["reward_step_weights_json"])
     k = len(weights["step_times"])
     assert k >= 2 and {t: weights[t] for t in ATOM_TYPES} == {t: [1.0] * k for t in ATOM_TYPES}
-    trained = store.get_tensors(_rows(store, "checkpoints", iteration=0)[0]["lora_path"])
-    cast = src.get_tensors(_rows(src, "checkpoints", iteration=0)[0]["lora_path"])
-    assert trained.keys() == cast.keys()
-    for name in cast:
-        torch.testing.assert_close(trained[name], cast[name], atol=1e-5, rtol=1e-4)
+    _assert_same_lora(store, src)
 
 
 def test_nft_recast_weighting_weights_the_steps_its_draws_reach(nft_ref, tmp_path):
@@ -242,7 +245,6 @@ def test_nft_recast_weighting_weights_the_steps_its_draws_reach(nft_ref, tmp_pat
     assert w.shape == (4, end - start) and bool((w > 0).all())
     torch.testing.assert_close(w.sum(dim=0), torch.full((end - start,), 4.0,
                                                         dtype=torch.float64), atol=1e-4, rtol=0)
-    trained = store.get_tensors(_rows(store, "checkpoints", iteration=0)[0]["lora_path"])
-    cast = src.get_tensors(_rows(src, "checkpoints", iteration=0)[0]["lora_path"])
+    trained, cast = _lora(store), _lora(src)
     assert any(not torch.equal(trained[n], cast[n]) for n in cast)
     assert all(v.isfinite().all() for v in trained.values())
