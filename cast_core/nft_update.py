@@ -213,8 +213,9 @@ def nft_update(
 
     prompts: N; x0: [N, C, h, w] clean latents of the sampling policy; advantages: [N], a map
     [N, h, w] on the latent grid, or per-step maps [N, K, h, w] with step_times [K] (strictly
-    decreasing: the schedule times of the K steps). lr_for_step(j) sets every group's lr before the step that
-    follows j steps taken (skipped ones not counted). Returns one NftStep per optimizer step.
+    decreasing: the schedule times of the K steps). lr_for_step(j) sets every group's lr before
+    the step that follows j steps taken (skipped ones not counted). Returns one NftStep per
+    optimizer step.
     With a `shard` of a data-parallel group every rank passes the prompts and advantages of all
     N samples and x0 of the samples `held` only (sorted; ``Shard.rows(nft_step_indices(...))``;
     None: all N), and gets the same weights and records.

@@ -162,7 +162,7 @@ def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], win
     (the backbone's step times [S]) that its t draws reach (`nft.covered_steps`), returned with
     those steps' times."""
     start, end, times = window.start, window.end, None
-    nft_steps = recipe.train.objective == "nft" and recipe.recast.weighting != "none"
+    nft_steps = _nft_step_maps(recipe)
     if nft_steps:
         if schedule is None:
             raise ValueError("NFT with recast.weighting needs the schedule's step times")
@@ -180,6 +180,12 @@ def _advantages(store: Store, recipe: Recipe, blob: dict[str, torch.Tensor], win
     if nft_steps:
         record["step_times"] = [round(float(x), 6) for x in times]
     return Credit(maps, "spatial", json.dumps(record), times)
+
+
+def _nft_step_maps(recipe: Recipe) -> bool:
+    """Whether the update takes per-step maps over the NFT objective's t (which need the
+    backbone's schedule)."""
+    return recipe.train.objective == "nft" and recipe.recast.weighting != "none"
 
 
 def read_batch(store: Store, recipe: Recipe, rows: list[dict], csgs: StageRef,
@@ -291,7 +297,7 @@ def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: Poli
     rows = load_rollout_rows(store, rollouts)
     device = next(backbone.transformer.parameters()).device
     schedule = (backbone.sigmas(recipe.sampling.num_steps)[:-1].double().cpu()
-                if recipe.train.objective == "nft" else None)
+                if _nft_step_maps(recipe) else None)
     batch = read_batch(store, recipe, rows, csgs, advantages, gains, device, iteration, shard,
                        schedule)
     outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr, shard)
