@@ -252,10 +252,12 @@ def gaussian_step_kl(mean_policy: Tensor, mean_ref: Tensor, std: Tensor | float)
 class SummedKl:
     """KL(old || new) in nats per sample and window step, summed over all C h w dims; 0-d float64
     means over samples and steps. k3: mean(exp(L) - 1 - L), unbiased and >= 0; k1: mean(-L),
-    unbiased, may be < 0 (a cross-check)."""
+    unbiased, may be < 0 (a cross-check). k3_per_step: k3's mean over samples at each window step
+    ([K] float64; [1] for log-probs without a step axis), whose mean is k3."""
 
     k3: Tensor
     k1: Tensor
+    k3_per_step: Tensor
 
 
 def summed_log_ratio(log_prob_new: Tensor, log_prob_old: Tensor, channels: int) -> Tensor:
@@ -273,7 +275,8 @@ def summed_log_ratio(log_prob_new: Tensor, log_prob_old: Tensor, channels: int) 
 def summed_kl(log_prob_new: Tensor, log_prob_old: Tensor, channels: int) -> SummedKl:
     """KL(old || new) in nats per sample and step from samples of the old policy (k3 and k1 of
     the summed log-ratio, see the module docstring). log_prob_* [N, K, h, w] or [N, h, w]."""
-    log_ratio = summed_log_ratio(log_prob_new, log_prob_old, channels)  # [N, K]
+    log_ratio = summed_log_ratio(log_prob_new, log_prob_old, channels)  # [N, K] or [N]
     clamped = log_ratio.clamp(max=MAX_LOG_RATIO)
-    k3 = (clamped.exp() - 1.0 - clamped).mean()
-    return SummedKl(k3=k3, k1=(-log_ratio).mean())
+    k3 = clamped.exp() - 1.0 - clamped
+    per_step = (k3 if k3.dim() == 2 else k3[:, None]).mean(dim=0)  # [K]
+    return SummedKl(k3=k3.mean(), k1=(-log_ratio).mean(), k3_per_step=per_step)

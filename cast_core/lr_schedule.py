@@ -38,3 +38,44 @@ def kl_targeted_lr(lr: float, kl_nats: float | None, target_nats: float, *,
     else:
         factor = min(max_factor, max(1.0 / max_factor, math.sqrt(target_nats / kl_nats)))
     return min(lr_max, max(lr_min, lr * factor))
+
+
+def kl_step_weights(weights: tuple[float, ...] | None, per_step_kl: tuple[float, ...] | None, *,
+                    max_factor: float, floor: float) -> tuple[float, ...] | None:
+    """The next iteration's loss weight of each window step, so that every step moves the policy
+    about the same KL (nats per sample) rather than the window's mean meeting a target that its
+    late steps set.
+
+    A window step's KL grows as its noise std shrinks (the same change of the velocity moves a
+    narrower Gaussian by more nats), so on a wide window the late steps move far more than the
+    early ones at one lr. If a step's move comes mostly from its own gradient, its KL is about
+    quadratic in its loss weight: KL_k ~ c_k w_k^2. w_k * sqrt(g / KL_k), with g the geometric
+    mean of the KL_k, then gives every step the same KL, and the KL-targeted lr sets what that
+    KL is. The steps share the weights they train, so the factor is clamped to
+    [1 / max_factor, max_factor] and the controller iterates (as `kl_targeted_lr` does). The
+    weights are renormalised to mean 1 and then floored at `floor`, so no step stops training.
+    weights None starts from 1 at every step; per_step_kl None (no estimate, e.g. the ODE)
+    keeps the weights. A non-finite KL takes the smallest factor, a KL <= 0 the largest."""
+    if not (max_factor >= 1 and 0 < floor <= 1):
+        raise ValueError(f"need max_factor >= 1 and 0 < floor <= 1: got {max_factor}, {floor}")
+    if per_step_kl is None:
+        return weights
+    current = weights if weights is not None else (1.0,) * len(per_step_kl)
+    if len(current) != len(per_step_kl) or not current:
+        raise ValueError(f"need one weight per window step: got {len(current)} weights for "
+                         f"{len(per_step_kl)} steps' KLs")
+    usable = [kl for kl in per_step_kl if math.isfinite(kl) and kl > 0]
+    if not usable:
+        return current
+    reference = math.exp(sum(math.log(kl) for kl in usable) / len(usable))
+
+    def factor(kl: float) -> float:
+        if not math.isfinite(kl):
+            return 1.0 / max_factor
+        if kl <= 0:
+            return max_factor
+        return min(max_factor, max(1.0 / max_factor, math.sqrt(reference / kl)))
+
+    raw = [w * factor(kl) for w, kl in zip(current, per_step_kl)]
+    mean = sum(raw) / len(raw)
+    return tuple(max(floor, w / mean) for w in raw)

@@ -18,7 +18,8 @@ times n / m, and every sample carries the same number of terms (K steps, h w pos
 accumulated gradient is exactly the gradient of the mini-batch's mean loss. Within a micro-batch
 the K window steps are replayed one at a time and each step's share (its objective / K, plus
 kl_beta * its mean KL / K) is backpropagated at once, so activation memory is one step's of one
-micro-batch, not K's. The recorded loss and statistics of a step (``UpdateStep``) are recomputed
+micro-batch, not K's (times the step's ``step_weights`` entry when the config has them). The
+recorded loss and statistics of a step (``UpdateStep``) are recomputed
 from the detached log-probs of all its samples and steps, so they are what one micro-batch of the
 whole mini-batch would give. ``lr_for_step`` (optional) sets every param group's lr before each
 optimizer step from the number of steps this call has taken (skipped ones not counted; the caller
@@ -154,7 +155,8 @@ def _micro_batch_backward(
                                   block_mean(ref.means[:, 0], b), replay.stds[:, 0])
             total = total + config.kl_beta * kl.mean()  # kl [n, h, w]: mean over channels
             ref_kls.append(channels * kl.detach().double().sum(dim=(-2, -1)))  # [n]
-        (total * (share / num_k)).backward()
+        weight = 1.0 if config.step_weights is None else config.step_weights[k]
+        (total * (share * weight / num_k)).backward()
         new.append(replay.log_probs.detach())
     ref_kl = torch.stack(ref_kls, dim=1) if ref_kls else None  # [n, K]
     return _Replayed(torch.cat(new, dim=1), ref_kl)
@@ -199,11 +201,20 @@ def _record(
         "clip_fraction_per_step": tuple(stats.clip_fraction_per_step.tolist()),
     }
     loss = full.loss.double()
+    weights = None
+    if config.step_weights is not None:  # the loss the backward took: each step's share weighted
+        weights = torch.tensor(config.step_weights, dtype=torch.float64, device=new.device)
+        loss = torch.stack([
+            _objective(config, new[:, k:k + 1], old[:, k:k + 1],
+                       adv[:, k:k + 1] if adv.dim() == 4 else adv).loss.double()
+            for k in range(new.shape[1])]).mul(weights).mean()
     if config.kl_beta > 0:
-        ref_kl = torch.cat([p.ref_kl for p in parts]).mean()
+        ref_kls = torch.cat([p.ref_kl for p in parts])  # [m, K]
+        ref_kl = ref_kls.mean()
         num_dims = channels * old.shape[-2] * old.shape[-1]  # D = C h w
         fields |= {"ref_kl_nats": float(ref_kl), "ref_kl_mean_dim": float(ref_kl / num_dims)}
-        loss = loss + config.kl_beta * ref_kl / num_dims
+        weighted = ref_kl if weights is None else (ref_kls * weights.to(ref_kls.device)).mean()
+        loss = loss + config.kl_beta * weighted / num_dims
     return loss, fields
 
 
@@ -316,6 +327,9 @@ def policy_update(
             f"each optimizer step needs at least one sample; set steps_per_epoch <= {n}"
         )
     _check_advantages(advantages, n, rollout, config.advantage)
+    if config.step_weights is not None and len(config.step_weights) != rollout.t.shape[0]:
+        raise ValueError(f"PolicyConfig.step_weights has {len(config.step_weights)} weights for "
+                         f"the rollout's {rollout.t.shape[0]} window steps; give one per step")
     advantages = advantages.to(rollout.log_probs.device, torch.float32)
     local = local_rows(held, n)
     records: list[UpdateStep] = []

@@ -28,7 +28,9 @@ class PolicyConfig:
     steps per pass over the samples; micro_batch: the most samples in one forward/backward.
     map_ratio (spatial only): "position", a ratio per position (CAST's), or "sample", the map
     inside the sample's all-dims ratio (``loss.sample_ratio_spatial_loss``; clip_range is then
-    the all-dims range)."""
+    the all-dims range). step_weights (optional, one per window step, > 0): each window step's
+    share of the loss (objective and KL to the reference) is multiplied by its weight, e.g. the
+    per-step KL controller's (``lr_schedule.kl_step_weights``); None weighs every step 1."""
 
     advantage: AdvantageKind
     clip_range: float
@@ -39,6 +41,7 @@ class PolicyConfig:
     max_grad_norm: float = 1.0
     ratio_tol: float = 1e-3
     map_ratio: Literal["position", "sample"] = "position"
+    step_weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.advantage not in ("spatial", "scalar"):
@@ -58,6 +61,10 @@ class PolicyConfig:
         _count("micro_batch", self.micro_batch)
         _positive("max_grad_norm", self.max_grad_norm, "e.g. 1.0")
         _positive("ratio_tol", self.ratio_tol, "e.g. 1e-3")
+        if self.step_weights is not None and not (
+                self.step_weights and all(math.isfinite(w) and w > 0 for w in self.step_weights)):
+            raise ValueError(f"PolicyConfig.step_weights must be finite and > 0, one per window "
+                             f"step (or None: every step 1); got {self.step_weights!r}")
 
 
 @dataclass(frozen=True)

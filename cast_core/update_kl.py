@@ -1,11 +1,14 @@
 """How far an update moved the sampler: KL(rollout policy || current policy) in nats per sample
-and window step (`update_kl_nats`), replayed on the stored window steps after training. The
+and window step (`update_kl_nats`: the mean over the window and each step's own), replayed on the
+stored window steps after training. The
 per-step ``policy_kl_nats`` of `cast_core.policy.policy_update` is measured before each optimizer
 step, so it cannot show the last (or only) step's move; this can. The KL-targeted lr
 (`cast_core.lr_schedule.kl_targeted_lr`) steers on it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -14,6 +17,17 @@ from cast_core.data_parallel import SOLO, Shard, gather_rows, held_rows, local_r
 from cast_core.loss import summed_kl
 from cast_core.rollout import Rollout, RolloutSpec, replay_steps
 from cast_core.sampling import encode_conditioning
+
+
+@dataclass(frozen=True)
+class UpdateKl:
+    """KL(rollout policy || current policy) in nats per sample, summed over the C h w dims:
+    `nats` the mean over the window steps, `per_step` each window step's (K values in window
+    order, whose mean is `nats`). A later step has a smaller noise std, so the same change of the
+    velocity moves it by more nats."""
+
+    nats: float
+    per_step: tuple[float, ...]
 
 
 @torch.no_grad()
@@ -28,7 +42,7 @@ def update_kl_nats(
     shard: Shard = SOLO,
     held: Tensor | None = None,
     split: list[Tensor] | None = None,
-) -> float:
+) -> UpdateKl:
     """KL(rollout policy || current policy) in nats per sample and window step, summed over the
     C h w dims (k3 of the summed log-ratio, ``loss.summed_kl``), on the first ``max_samples``
     samples (prompts: one per sample; the stored log-probs are the rollout policy's).
@@ -63,4 +77,5 @@ def update_kl_nats(
         sizes = [len(p) for p in parts]
         order = torch.argsort(torch.cat(parts)).to(new_lp.device)  # rank order -> sample order
         new_lp, old_lp = gather_rows(new_lp, sizes)[order], gather_rows(old_lp, sizes)[order]
-    return float(summed_kl(new_lp, old_lp, channels).k3)
+    kl = summed_kl(new_lp, old_lp, channels)
+    return UpdateKl(float(kl.k3), tuple(float(x) for x in kl.k3_per_step))

@@ -136,7 +136,7 @@ def _train(objective: str, steps: int, kl_beta: float, epochs: int, shard: Shard
     records = policy_update(model, optimizer, PROMPTS, out, SPEC, adv, config, shuffle_seed=5,
                             shard=shard, held=held)
     moved = update_kl_nats(model, PROMPTS, out, SPEC, micro_batch=2, shard=shard, held=held,
-                           split=split)
+                           split=split).nats
     return {**_state(lora, optimizer), "records": records, "moved": moved,
             "rows": out.latents.shape[0]}
 

@@ -24,7 +24,7 @@ from pipeline_helpers import (
 from safetensors import safe_open
 
 from cast_core.hub_snapshot import file_sha256 as file_hash
-from cast_core.lr_schedule import kl_targeted_lr
+from cast_core.lr_schedule import kl_step_weights, kl_targeted_lr
 from tasks.stages.calibrate_window import calibrate_window, read_window
 from tasks.stages.models import load_base, load_policy
 from tasks.stages.policy_state import policy_for
@@ -208,16 +208,20 @@ def test_second_iteration_starts_from_the_first_checkpoint(ref, second):
     assert sorted(s["step"] for s in steps) == list(range(len(steps)))
 
 
-def test_kl_targeted_lr_sets_each_iteration_from_the_last_move(ref, tmp_path):
+@pytest.mark.parametrize("per_step", [False, True])
+def test_kl_targeted_lr_sets_each_iteration_from_the_last_move(ref, tmp_path, per_step):
     """With train.kl_target_nats, iteration k trains at kl_targeted_lr(lr of k - 1, its
     update_kl_nats): recorded in checkpoints.lr and every train_steps.lr, and part of the train
     key. The target is a tenth of the move the constant lr makes, so the lr must fall and the
-    next move come closer to the target."""
+    next move come closer to the target. With train.kl_target_per_step as well, iteration 0
+    trains every window step at weight 1 (so exactly as without it) and iteration 1 at
+    kl_step_weights of iteration 0's per-step KLs, recorded in checkpoints.step_weights."""
     _, base_recipe, prompts, _ = ref
     store0 = ref[0]
     moved0 = _rows(store0, "checkpoints", 0)[0]["update_kl_nats"]
     target = moved0 / 10
-    recipe = ci_recipe(prompts, **{"run.name": "kl-target", "train.kl_target_nats": target})
+    recipe = ci_recipe(prompts, **{"run.name": "kl-target", "train.kl_target_nats": target,
+                                   "train.kl_target_per_step": per_step})
     store = Store(tmp_path / "store")
     for k in (0, 1):
         run_iteration(store, recipe, k)
@@ -232,6 +236,18 @@ def test_kl_targeted_lr_sets_each_iteration_from_the_last_move(ref, tmp_path):
         assert {s["lr"] for s in store.read_table("train_steps", {"iteration": k}).to_pylist()} \
             == {c["lr"]}  # no warm-up in the CI recipe
     assert abs(math.log(ckpts[1]["update_kl_nats"] / target)) < abs(math.log(moved0 / target))
+    size = recipe.window.size
+    for c in ckpts:  # the window's mean KL is the mean of its steps'
+        assert len(c["update_kl_per_step"]) == size
+        assert sum(c["update_kl_per_step"]) / size == pytest.approx(c["update_kl_nats"])
+    if not per_step:
+        assert [c["step_weights"] for c in ckpts] == [None, None]
+        return
+    assert ckpts[0]["step_weights"] == [1.0] * size
+    want = kl_step_weights((1.0,) * size, tuple(ckpts[0]["update_kl_per_step"]),
+                           max_factor=tr.kl_lr_factor, floor=tr.kl_step_weight_floor)
+    assert ckpts[1]["step_weights"] == pytest.approx(list(want))
+    assert len(set(want)) > 1  # the steps moved different KLs, so their weights differ
 
 
 def test_rerunning_finished_stages_skips_and_writes_nothing(ref, second):

@@ -8,7 +8,7 @@ import torch
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.lora import add_lora, reference_mode
 from cast_core.loss import spatial_clipped_loss
-from cast_core.lr_schedule import kl_targeted_lr, linear_warmup_lr
+from cast_core.lr_schedule import kl_step_weights, kl_targeted_lr, linear_warmup_lr
 from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.update_kl import update_kl_nats
@@ -195,6 +195,33 @@ def test_accumulation_over_steps_and_micro_batches_equals_the_mini_batch_gradien
             assert getattr(split, field) == pytest.approx(getattr(one, field), rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["scalar", "spatial"])
+def test_step_weights_scale_each_window_steps_share_of_loss_and_gradient(kind):
+    """Loss and gradient are linear in the step weights: G(w) = sum_k w_k g_k / K. So with the
+    2-step window G(3, 5) = 3 (G(2, 1) - G(1, 1)) + 5 (G(1, 2) - G(1, 1)), and likewise the loss;
+    equal weights of 1 are the unweighted update."""
+    model, lora, out = _moved_lora(4)
+    gen = torch.Generator().manual_seed(2)
+    adv = torch.randn(4, generator=gen) if kind == "scalar" else torch.randn(4, 32, 32,
+                                                                             generator=gen)
+    got = {w: _first_step(model, lora, out, adv, advantage=kind, micro_batch=2, kl_beta=0.1,
+                          step_weights=w)
+           for w in ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0), (3.0, 5.0))}
+    plain = _first_step(model, lora, out, adv, advantage=kind, micro_batch=2, kl_beta=0.1)
+    assert got[(1.0, 1.0)][0].loss == pytest.approx(plain[0].loss, rel=1e-6)
+    base, first, second, mixed = (got[w] for w in ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0),
+                                                    (3.0, 5.0)))
+    assert mixed[0].loss == pytest.approx(
+        3 * (first[0].loss - base[0].loss) + 5 * (second[0].loss - base[0].loss), rel=1e-4)
+    for g, g0, g1, g2, gp in zip(mixed[1], base[1], first[1], second[1], plain[1]):
+        torch.testing.assert_close(g0, gp, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(g, 3 * (g1 - g0) + 5 * (g2 - g0), rtol=1e-3, atol=1e-7)
+    with pytest.raises(ValueError, match="2 window steps"):
+        _first_step(model, lora, out, adv, advantage=kind, step_weights=(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        PolicyConfig(advantage=kind, clip_range=0.2, step_weights=(1.0, 0.0))
+
+
 def test_scalar_and_constant_map_objectives_give_the_same_first_step_gradient():
     """At ratio 1 both are mean over positions of A * grad log-prob per position."""
     model, lora, out = _moved_lora(6)
@@ -302,6 +329,41 @@ def test_kl_targeted_lr_hits_the_target_of_a_quadratic_move_in_one_iteration():
     assert lr == pytest.approx((target / c) ** 0.5)
 
 
+def test_kl_step_weights_equalise_steps_whose_kl_is_quadratic_in_their_weight():
+    # step k moves KL_k = c_k w_k^2 (its own gradient alone): the controller brings every step to
+    # the same KL, i.e. w_k proportional to 1 / sqrt(c_k), renormalised to mean 1
+    c = (0.01, 0.04, 0.16, 0.64)  # later steps: smaller noise std, more nats per unit of weight
+    kw = {"max_factor": 2.0, "floor": 0.01}
+    weights = None
+    for _ in range(12):
+        current = weights or (1.0,) * len(c)
+        weights = kl_step_weights(weights, tuple(ck * w * w for ck, w in zip(c, current)), **kw)
+    kls = [ck * w * w for ck, w in zip(c, weights)]
+    assert max(kls) / min(kls) == pytest.approx(1.0, abs=1e-6)
+    assert sum(weights) / len(weights) == pytest.approx(1.0)
+    want = [ck ** -0.5 for ck in c]
+    assert weights == pytest.approx([4 * x / sum(want) for x in want])
+    # one iteration moves a weight by at most max_factor before the renormalisation
+    first = kl_step_weights(None, (0.01, 100.0), **kw)
+    assert first[0] / first[1] == pytest.approx(4.0)  # x2 and x1/2
+
+
+def test_kl_step_weights_floor_and_missing_estimates():
+    kw = {"max_factor": 10.0, "floor": 0.1}
+    assert kl_step_weights((1.0, 2.0), None, **kw) == (1.0, 2.0)  # no estimate: unchanged
+    assert kl_step_weights(None, None, **kw) is None
+    assert kl_step_weights((1.0, 1.0), (0.0, float("nan")), **kw) == (1.0, 1.0)  # nothing usable
+    w = kl_step_weights(None, (1e-4, 1e4, 1.0), **kw)
+    assert min(w) == 0.1  # floored: no step stops training
+    a, b, c = kl_step_weights(None, (1.0, float("inf"), 0.0), **kw)
+    assert b < a < c  # non-finite: the smallest factor; no move: the largest
+    with pytest.raises(ValueError, match="one weight per window step"):
+        kl_step_weights((1.0,), (0.1, 0.2), **kw)
+    for bad in ({"max_factor": 0.5}, {"floor": 0.0}, {"floor": 1.5}):
+        with pytest.raises(ValueError):
+            kl_step_weights(None, (0.1,), **(kw | bad))
+
+
 def test_kl_targeted_lr_bounds_and_missing_estimates():
     bounds = {"max_factor": 2.0, "lr_min": 1e-4, "lr_max": 1e-3}
     assert kl_targeted_lr(5e-4, 10.0, 0.01, **bounds) == pytest.approx(2.5e-4)  # factor 1/2
@@ -386,11 +448,15 @@ def test_update_kl_is_zero_before_and_positive_after_an_update():
     params = add_lora(backbone, rank=2, alpha=2.0)
     spec, prompts = SPEC, PROMPTS
     ro = rollout(backbone, prompts, SEEDS, spec)
-    assert update_kl_nats(backbone, prompts, ro, spec) == pytest.approx(0.0, abs=1e-4)
+    before = update_kl_nats(backbone, prompts, ro, spec)
+    assert before.nats == pytest.approx(0.0, abs=1e-4)
+    assert before.per_step == pytest.approx((0.0,) * spec.window.size, abs=1e-4)
     with torch.no_grad():
         for p in params:
             p.add_(0.05 * torch.randn_like(p))
     moved = update_kl_nats(backbone, prompts, ro, spec, max_samples=3, micro_batch=2)
-    assert moved > 1e-3
+    assert moved.nats > 1e-3
+    assert len(moved.per_step) == spec.window.size and min(moved.per_step) > 0
+    assert sum(moved.per_step) / len(moved.per_step) == pytest.approx(moved.nats, rel=1e-9)
     with pytest.raises(ValueError, match="max_samples"):
         update_kl_nats(backbone, prompts, ro, spec, max_samples=0)

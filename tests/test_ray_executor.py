@@ -199,7 +199,7 @@ def _solo_update_kl(store: Store, recipe, refs: dict) -> float:
     batch = read_batch(store, recipe, load_rollout_rows(store, refs["rollout"]),
                        refs["build_csgs"], refs["compute_advantages"], None, torch.device("cpu"))
     return update_kl_nats(backbone, batch.prompts, batch.rollout, batch.spec,
-                          micro_batch=recipe.train.micro_batch)
+                          micro_batch=recipe.train.micro_batch).nats
 
 
 @pytest.fixture(scope="module")

@@ -193,6 +193,13 @@ def test_kl_targeted_lr_fields_are_checked_and_printed():
     nft = {"train.objective": "nft", "sampling.noise_level": 0.0, "sampling.shared_noise": False,
            "window.mode": "fixed"}
     assert "needs the SDE's likelihoods" in _error(CI, {**nft, "train.kl_target_nats": 0.03})
+    per_step = load_recipe(CI, {"train.kl_target_nats": 0.03, "train.kl_target_per_step": True})
+    assert per_step.derived()["lr_schedule"].endswith(
+        "each window step's loss weighted towards the same KL (floor 0.05)")
+    assert per_step.section_hash("train") != load_recipe(
+        CI, {"train.kl_target_nats": 0.03}).section_hash("train")
+    assert "needs train.kl_target_nats" in _error(CI, {"train.kl_target_per_step": True})
+    assert "train.kl_step_weight_floor" in _error(CI, {"train.kl_step_weight_floor": 0.0})
 
 
 def test_overrides_apply_before_validation():

@@ -3,18 +3,25 @@ steps -> `train_steps` rows, the trained policy's blobs and diagnostics -> the `
 the advantage blob -> what the loss trains on. The stage itself runs in test_pipeline.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from cast_core.diagnostics import RewardAlarm
+from cast_core.lr_schedule import kl_step_weights
 from cast_core.nft_update import NftConfig, NftStep
 from cast_core.policy import UpdateStep
+from tasks.stages.policy_state import PolicyState
+from tasks.stages.recipe import load_recipe
 from tasks.stages.recipe_method import TrainSection
+from tasks.stages.train_epoch import iteration_step_weights
 from tasks.stages.train_rows import checkpoint_row, iteration_stats, train_step_rows
 from tasks.stages.train_update import TrainOutcome, pick_advantage
 from tasks.store.records import BlobRef
 from tasks.store.schemas import conform
+
+CI = Path(__file__).resolve().parents[1] / "data" / "recipes" / "shapes-ci.toml"
 
 KEYS = {"run_id": "r", "iteration": 3}
 # prompt -> atom -> (type, the G = 2 samples' scores)
@@ -118,7 +125,8 @@ def test_checkpoint_row_names_the_blobs_and_carries_the_diagnostics():
                    "base_hash": "base-id", "lora_rank": 4, "lora_alpha": 8.0,
                    "optimizer_steps": 4, "param_change_norm": 0.125, "update_kl_nats": None,
                    "rollout_hf_energy": 0.03, "constant_reward_alarm": True,
-                   "alarm_reason": "all 4 scalar rewards are equal", "lr": 5e-4}
+                   "alarm_reason": "all 4 scalar rewards are equal", "lr": 5e-4,
+                   "update_kl_per_step": None, "step_weights": None}
 
 
 def test_pick_advantage_per_kind():
@@ -135,3 +143,19 @@ def test_pick_advantage_per_kind():
     assert torch.equal(constant, torch.tensor([0.5, -0.5])[:, None, None].expand(2, 3, 3))
     with pytest.raises(ValueError, match="'spatial', 'scalar', 'atom' or 'scalar_map'"):
         pick_advantage(blob, "map")
+
+
+def test_iteration_step_weights_start_at_one_and_follow_the_last_per_step_kls():
+    off = load_recipe(CI, {"train.kl_target_nats": 0.03})
+    on = load_recipe(CI, {"train.kl_target_nats": 0.03, "train.kl_target_per_step": True})
+    last = PolicyState(3, "h", "l", "o", 1e-4, 0.05, (0.01, 0.04, 0.16), (1.0, 1.0, 1.0))
+    assert iteration_step_weights(off, last, 3) is None  # unweighted
+    assert iteration_step_weights(on, PolicyState(0, "h", None, None), 3) == (1.0, 1.0, 1.0)
+    got = iteration_step_weights(on, last, 3)
+    assert got == pytest.approx(kl_step_weights((1.0,) * 3, (0.01, 0.04, 0.16), max_factor=2.0,
+                                                floor=0.05))
+    assert got[0] > got[1] > got[2]  # the step that moved least gets the most weight
+    # no per-step KLs (an older checkpoint) or another window size: start again from 1
+    assert iteration_step_weights(on, PolicyState(3, "h", "l", "o", 1e-4, 0.05), 3) == (1.0,) * 3
+    assert iteration_step_weights(on, last, 2) == (1.0, 1.0)
+

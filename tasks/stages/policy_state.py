@@ -17,7 +17,9 @@ class PolicyState:
     """policy_hash: sha256 of the LoRA blob (or 'base-<weights hash>'); lora_path /
     optimizer_path: blobs relative to the store root, None at iteration 0. lr and
     update_kl_nats: the lr the previous iteration trained at and how far that moved the policy
-    (nats per sample and window step), None at iteration 0 or when its checkpoint lacks them."""
+    (nats per sample and window step), None at iteration 0 or when its checkpoint lacks them;
+    update_kl_per_step and step_weights: that KL at each window step and the loss weights of the
+    steps it trained with (`train.kl_target_per_step`), None likewise or when unused."""
 
     iteration: int
     policy_hash: str
@@ -25,6 +27,8 @@ class PolicyState:
     optimizer_path: str | None
     lr: float | None = None
     update_kl_nats: float | None = None
+    update_kl_per_step: tuple[float, ...] | None = None
+    step_weights: tuple[float, ...] | None = None
 
 
 def base_policy(recipe: Recipe) -> PolicyState:
@@ -45,7 +49,12 @@ def policy_for(store: Store, recipe: Recipe, iteration: int) -> PolicyState:
             f"finish iteration {previous} first (run the flow without an explicit iteration)")
     row = rows[0]
     return PolicyState(iteration, row["policy_hash"], row["lora_path"], row["optimizer_path"],
-                       row["lr"], row["update_kl_nats"])
+                       row["lr"], row["update_kl_nats"], _tuple(row.get("update_kl_per_step")),
+                       _tuple(row.get("step_weights")))
+
+
+def _tuple(values: list[float] | None) -> tuple[float, ...] | None:
+    return None if values is None else tuple(values)
 
 
 def load_policy_of(store: Store, recipe: Recipe, policy: PolicyState):

@@ -105,6 +105,10 @@ class Recipe(Section):
             raise ValueError("train.kl_target_nats sets the lr from the update's KL in nats, "
                              "which needs the SDE's likelihoods; train.objective = 'nft' has none: "
                              "drop kl_target_nats (use a constant train.lr)")
+        if self.train.kl_target_per_step and self.train.kl_target_nats is None:
+            raise ValueError("train.kl_target_per_step weights the window steps towards the KL "
+                             "target each; it needs train.kl_target_nats (e.g. 0.03), or drop "
+                             "kl_target_per_step")
         if self.train.objective == "nft" and self.sampling.noise_block != 1:
             raise ValueError("train.objective = 'nft' credits latent positions, which block "
                              "noise's tile-grid maps do not give: set sampling.noise_block = 1")
@@ -207,7 +211,9 @@ class Recipe(Section):
         lo, hi = tr.kl_lr_floor, tr.kl_lr_ceiling
         return (f"KL-targeted: {tr.lr:g} at iteration 0, then x sqrt({tr.kl_target_nats:g} nats / "
                 f"the last update's KL) within x[1/{tr.kl_lr_factor:g}, {tr.kl_lr_factor:g}] an "
-                f"iteration and [{lo * tr.lr:g}, {hi * tr.lr:g}]")
+                f"iteration and [{lo * tr.lr:g}, {hi * tr.lr:g}]"
+                + (f"; each window step's loss weighted towards the same KL (floor "
+                   f"{tr.kl_step_weight_floor:g})" if tr.kl_target_per_step else ""))
 
     def derived(self) -> dict[str, Any]:
         """Quantities the pipeline derives from the recipe (printed at the start of a flow)."""

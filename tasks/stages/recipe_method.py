@@ -122,6 +122,15 @@ class TrainSection(Section):
     (reports/learning-probes section 7). SDE objective only: the ODE rollouts of NFT have no
     likelihood to measure the move with.
 
+    `kl_target_per_step` (ours; with `kl_target_nats`): the KL target met by every window step on
+    its own, not by the window's mean. A later step has a smaller noise std, so one lr moves it
+    by more nats; on the 6-step window [0, 6) the late steps moved 3-10x what the early ones did,
+    the mean's target therefore ran the early steps at about 0.6x the lr they get on [0, 3)
+    (reports/cfg1-pool8-rank32-constlr-wide). With it each step's loss is weighted by its own
+    controller (`cast_core.lr_schedule.kl_step_weights`: x sqrt(the steps' geometric-mean KL /
+    its KL) an iteration, within the lr's factor, renormalised to mean 1 and floored at
+    `kl_step_weight_floor`), and the lr's target then acts on KLs the steps share.
+
     `map_ratio` (ours; spatial credit only): "position" gives each position its own PPO ratio
     (CAST's), "sample" puts the map inside the sample's all-dims ratio, so that a constant map is
     exactly Flow-GRPO's loss; the per-position ratio's second-order term pushes positive-credit
@@ -132,7 +141,7 @@ class TrainSection(Section):
     hash_if_set: ClassVar[tuple[str, ...]] = (
         "objective", "nft_beta", "nft_t_min", "nft_t_max", "nft_a_max", "nft_adaptive_weight",
         "nft_centre", "nft_guidance", "kl_target_nats", "kl_lr_factor", "kl_lr_floor",
-        "kl_lr_ceiling", "map_ratio")
+        "kl_lr_ceiling", "map_ratio", "kl_target_per_step", "kl_step_weight_floor")
 
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
@@ -161,6 +170,12 @@ class TrainSection(Section):
                                description="the targeted lr stays >= this multiple of lr")
     kl_lr_ceiling: float = Field(10.0, ge=1.0,
                                  description="the targeted lr stays <= this multiple of lr")
+    kl_target_per_step: bool = Field(
+        False, description="with kl_target_nats: weight each window step's loss so that every "
+        "step moves about the same KL (cast_core.lr_schedule.kl_step_weights), so the late "
+        "steps of a wide window no longer set the lr of the early ones")
+    kl_step_weight_floor: float = Field(0.05, gt=0.0, le=1.0,
+                                        description="no window step's loss weight goes below this")
     map_ratio: Literal["position", "sample"] = Field(
         "position", description="spatial credit: a PPO ratio per position (CAST's) or the map "
         "inside the sample's all-dims ratio (cast_core.loss.sample_ratio_spatial_loss; then "

@@ -10,7 +10,9 @@ skips and records a bad step), with the lr of each optimizer step set by a linea
 first `warmup_steps` optimizer steps of the run (counted from the AdamW state's step, so across
 iterations; `cast_core.lr_schedule.linear_warmup_lr`) applied to the iteration's lr
 (`iteration_lr`: `train.lr`, or with `train.kl_target_nats` the previous iteration's lr scaled by
-how far that iteration moved the policy, so that each iteration moves about the target). With
+how far that iteration moved the policy, so that each iteration moves about the target; with
+`train.kl_target_per_step` as well, each window step's loss is weighted so that every step moves
+about the same KL, `iteration_step_weights`). With
 `recast.weighting` "static" or "recast" the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
 weighted by `tasks.stages.recast_gains.reward_step_weights` (ReCAST: from this iteration's `gains`
 stage) and clamped (`cast_core.pixel_map.step_weighted_maps`); under NFT, one map per step of
@@ -26,8 +28,9 @@ step nearest its t (`cast_core.nft.covered_steps`, `credit_at_t`). It writes:
   next iteration's rollout and training start from, with the iteration's diagnostics
   (`cast_core.diagnostics`): the norm of the LoRA change over this training, how far it moved
   the policy (`update_kl_nats`: KL(rollout policy || trained policy) per sample and window step
-  in nats, replayed on up to 64 of the samples after the last step), the mean high-frequency
-  energy of the rollout images, the constant-reward alarm, and the iteration's lr.
+  in nats, replayed on up to 64 of the samples after the last step, and `update_kl_per_step`,
+  the same at each window step), the mean high-frequency energy of the rollout images, the
+  constant-reward alarm, the iteration's lr and the window steps' loss weights.
 Weights that came out non-finite (e.g. a huge lr: each step is finite until the weights are not)
 are never saved: the stage raises `NonFiniteWeights` (a `StageRefused`), which leaves a
 `stage_failures` row with each step's loss, lr and skip reason, writes no blob, table row or
@@ -73,7 +76,7 @@ from safetensors import safe_open
 from cast_core.csg.graph import ATOM_TYPES
 from cast_core.data_parallel import SOLO, Shard, same_on_all_ranks
 from cast_core.diagnostics import high_frequency_energy
-from cast_core.lr_schedule import kl_targeted_lr
+from cast_core.lr_schedule import kl_step_weights, kl_targeted_lr
 from cast_core.nft import covered_steps
 from cast_core.pixel_map import split_step_maps, step_weighted_maps
 from cast_core.rollout import Rollout
@@ -131,6 +134,26 @@ def iteration_lr(recipe: Recipe, policy: PolicyState) -> float:
     return kl_targeted_lr(tr.lr if policy.lr is None else policy.lr, policy.update_kl_nats,
                           tr.kl_target_nats, max_factor=tr.kl_lr_factor,
                           lr_min=tr.kl_lr_floor * tr.lr, lr_max=tr.kl_lr_ceiling * tr.lr)
+
+
+def iteration_step_weights(recipe: Recipe, policy: PolicyState,
+                           window_steps: int) -> tuple[float, ...] | None:
+    """The loss weight of each of the `window_steps` window steps this iteration trains with:
+    None (every step 1) without `train.kl_target_per_step`; with it, 1 at iteration 0 and then
+    the previous iteration's weights moved so that every step's KL approaches the others'
+    (`cast_core.lr_schedule.kl_step_weights` of its `update_kl_per_step`). A previous checkpoint
+    without per-step KLs, or of another window size, starts again from 1."""
+    tr = recipe.train
+    if not tr.kl_target_per_step:
+        return None
+    ones = (1.0,) * window_steps
+    kls, weights = policy.update_kl_per_step, policy.step_weights
+    if policy.iteration == 0 or kls is None or len(kls) != window_steps:
+        return ones
+    if weights is None or len(weights) != window_steps:
+        weights = ones
+    return kl_step_weights(weights, kls, max_factor=tr.kl_lr_factor,
+                           floor=tr.kl_step_weight_floor)
 
 
 def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None, lr: float):
@@ -265,11 +288,21 @@ def cache_key(store: Store, recipe: Recipe, rollouts: StageRef, scores: StageRef
     return make_key(STAGE, {"train": recipe.section_hash("train", "advantage", "sampling",
                                                          "recast"),
                             "seed": recipe.run.seed, "iteration": iteration,
-                            "lr": iteration_lr(recipe, policy)},
+                            "lr": iteration_lr(recipe, policy),
+                            **_weights_key(recipe, policy)},
                     {"policy": policy.policy_hash, "optimizer": policy.optimizer_path or "",
                      "rollouts": rollouts.content_hash, "scores": scores.content_hash,
                      "advantages": advantages.content_hash,
                      "gains": gains.content_hash if gains is not None else ""})
+
+
+def _weights_key(recipe: Recipe, policy: PolicyState) -> dict:
+    """What the window steps' loss weights follow from, in the cache key when the recipe uses
+    them: the previous checkpoint's weights and per-step KLs (with the rollouts' window size,
+    which the rollouts' hash holds), as the lr follows from its lr and KL."""
+    if not recipe.train.kl_target_per_step:
+        return {}
+    return {"step_weights_from": [policy.step_weights, policy.update_kl_per_step]}
 
 
 @dataclass(frozen=True)
@@ -300,7 +333,9 @@ def train_and_write(store: Store, recipe: Recipe, backbone, params, policy: Poli
                 if _nft_step_maps(recipe) else None)
     batch = read_batch(store, recipe, rows, csgs, advantages, gains, device, iteration, shard,
                        schedule)
-    outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr, shard)
+    weights = iteration_step_weights(recipe, policy, batch.rollout.t.shape[0])
+    outcome = train_policy(backbone, params, optimizer, batch, recipe, iteration, lr, shard,
+                           weights)
     policy_hash = _same_policy(outcome.lora, shard, device)
     read = tuple(range(len(rows)) if batch.held is None else batch.held.tolist())
     if shard.rank > 0:

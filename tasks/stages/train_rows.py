@@ -111,4 +111,7 @@ def checkpoint_row(keys: dict, lora: BlobRef, optimizer: BlobRef, base: str,
             "optimizer_steps": outcome.optimizer_steps,
             "param_change_norm": outcome.param_change_norm,
             "update_kl_nats": outcome.update_kl_nats, "rollout_hf_energy": hf_energy,
-            "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason, "lr": lr}
+            "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason, "lr": lr,
+            "update_kl_per_step": (None if outcome.update_kl_per_step is None
+                                   else list(outcome.update_kl_per_step)),
+            "step_weights": None if outcome.step_weights is None else list(outcome.step_weights)}

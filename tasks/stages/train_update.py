@@ -62,7 +62,9 @@ class TrainBatch:
 class TrainOutcome:
     """One update's result: its optimizer steps (run steps first_step, first_step + 1, ...), the
     trained LoRA and AdamW state (tensors and param_groups JSON), AdamW's step count after, the
-    LoRA change norm, and KL(rollout policy || trained policy) in nats (None for ODE rollouts)."""
+    LoRA change norm, and KL(rollout policy || trained policy) in nats (None for ODE rollouts):
+    the window's mean and each step's; step_weights: the window steps' loss weights it trained
+    with (None: every step 1)."""
 
     updates: list[UpdateStep] | list[NftStep]
     first_step: int
@@ -72,6 +74,8 @@ class TrainOutcome:
     optimizer_steps: int
     param_change_norm: float
     update_kl_nats: float | None
+    update_kl_per_step: tuple[float, ...] | None = None
+    step_weights: tuple[float, ...] | None = None
 
 
 
@@ -135,14 +139,16 @@ def pick_advantage(blob: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tens
                      f"{kind!r}")
 
 
-def policy_config(recipe: Recipe, loss_kind: str) -> PolicyConfig:
+def policy_config(recipe: Recipe, loss_kind: str,
+                  step_weights: tuple[float, ...] | None = None) -> PolicyConfig:
     """The update's config from the recipe's `train` section, for the loss `pick_advantage` (or
-    ReCAST's step maps) chose: "spatial" or "scalar"."""
+    ReCAST's step maps) chose: "spatial" or "scalar"; `step_weights` the window steps' loss
+    weights (`train.kl_target_per_step`; None: every step 1)."""
     tr = recipe.train
     return PolicyConfig(advantage=loss_kind, clip_range=tr.clip_range, kl_beta=tr.kl_beta,
                         inner_epochs=tr.inner_epochs, steps_per_epoch=tr.steps_per_epoch,
                         micro_batch=tr.micro_batch, max_grad_norm=tr.max_grad_norm,
-                        map_ratio=tr.map_ratio)
+                        map_ratio=tr.map_ratio, step_weights=step_weights)
 
 
 
@@ -176,7 +182,8 @@ def _postfix(u: UpdateStep | NftStep) -> dict[str, str]:
 
 
 def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recipe: Recipe,
-            iteration: int, lr_for_step: Callable[[int], float], shard: Shard) -> list:
+            iteration: int, lr_for_step: Callable[[int], float], shard: Shard,
+            step_weights: tuple[float, ...] | None = None) -> list:
     """The recipe's update (the SDE policy objective or NFT) with a progress bar (rank 0's)."""
     tr, seed = recipe.train, recipe.run.seed
     with tqdm(total=tr.steps_per_epoch * tr.inner_epochs, desc=f"train {iteration}", unit="step",
@@ -192,7 +199,8 @@ def _update(backbone, optimizer: torch.optim.Optimizer, batch: TrainBatch, recip
                               on_step=show, shard=shard, held=batch.held,
                               step_times=batch.step_times)
         return policy_update(backbone, optimizer, batch.prompts, batch.rollout, batch.spec,
-                             batch.advantages, policy_config(recipe, batch.loss_kind),
+                             batch.advantages,
+                             policy_config(recipe, batch.loss_kind, step_weights),
                              shuffle_seed=derive_seed(seed, "shuffle", iteration), on_step=show,
                              lr_for_step=lr_for_step, shard=shard, held=batch.held)
 
@@ -203,18 +211,21 @@ def _adam_steps(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:
 
 def train_policy(backbone, params: list[Tensor], optimizer: torch.optim.Optimizer,
                  batch: TrainBatch, recipe: Recipe, iteration: int, lr: float,
-                 shard: Shard = SOLO) -> TrainOutcome:
+                 shard: Shard = SOLO,
+                 step_weights: tuple[float, ...] | None = None) -> TrainOutcome:
     """One iteration's update of the loaded policy (`params`: its LoRA parameters, trained by
     `optimizer`) at the iteration's `lr`, warmed up over the run's first optimizer steps; raises
     NonFiniteWeights when the weights came out non-finite, else measures how far it moved. With
     a `shard` of a data-parallel group every rank trains its part (of the SDE or the NFT
     objective, its batch holding the rows `held_samples` names) and ends on the same weights,
-    and the move's KL is computed across the ranks."""
+    and the move's KL is computed across the ranks. `step_weights`: the SDE objective's loss
+    weight of each window step (None: every step 1)."""
     tr = recipe.train
     first_step = _adam_steps(optimizer, params)
     before = [p.detach().clone() for p in params]
     updates = _update(backbone, optimizer, batch, recipe, iteration,
-                      lambda j: linear_warmup_lr(lr, tr.warmup_steps, first_step + j), shard)
+                      lambda j: linear_warmup_lr(lr, tr.warmup_steps, first_step + j), shard,
+                      step_weights)
     lora, (state, groups) = lora_tensors(backbone), optimizer_tensors(optimizer)
     _refuse_non_finite(lora, state, updates, iteration, lr)
     split = (first_pass_split(recipe, len(batch.prompts), iteration, shard.world)
@@ -224,6 +235,8 @@ def train_policy(backbone, params: list[Tensor], optimizer: torch.optim.Optimize
                             split=split)
              if recipe.sampling.noise_level > 0 else None)  # the ODE has no likelihoods
     return TrainOutcome(updates, first_step, lora, state, groups, _adam_steps(optimizer, params),
-                        param_change_norm(before, params), moved)
+                        param_change_norm(before, params),
+                        None if moved is None else moved.nats,
+                        None if moved is None else moved.per_step, step_weights)
 
 

@@ -58,7 +58,10 @@ them):
   of some atom type had zero variance, or all scalar rewards were equal. `lr` (version 4; null
   in older files) is the lr the iteration's training ran at before the warm-up's factor:
   `train.lr`, or with `train.kl_target_nats` the KL-targeted lr, which the next iteration's lr
-  is computed from.
+  is computed from. Version 5 adds `update_kl_per_step` (the same KL at each window step, K
+  values in window order whose mean is `update_kl_nats`; null in older files and for the ODE)
+  and `step_weights` (the loss weight of each window step the iteration trained with, under
+  `train.kl_target_per_step`; null otherwise: every step 1).
 - `evals.group_kind` is "overall" (group_name "all"), "tag", "atom_type" (images: those with at
   least one atom of the type; strict_accuracy = atom_accuracy there) or "atom_count" (group_name
   the number of atoms of the prompt); `hf_energy` is the group's mean image high-frequency energy.
@@ -162,7 +165,7 @@ _SPECS = (
            *_KEYS, ("reward", F64), ("scalar_advantage", F64), ("blob_index", I32),
            ("map_path", STR), ("map_hash", STR), ("map_h", I32), ("map_w", I32), ("mass", F64),
            ("coverage", F64)),
-    _table("checkpoints", 4,
+    _table("checkpoints", 5,
            "The LoRA policy and optimizer state after an iteration's training, with the "
            "iteration's diagnostics: LoRA change norm, the update's KL in nats, rollout HF "
            "energy, constant-reward alarm, the lr the iteration ran at.",
@@ -171,7 +174,8 @@ _SPECS = (
            ("lora_rank", I32), ("lora_alpha", F64), ("optimizer_steps", I64),
            ("param_change_norm", F64), ("update_kl_nats", F64, _NULL),
            ("rollout_hf_energy", F64), ("constant_reward_alarm", BOOL),
-           ("alarm_reason", STR, _NULL), ("lr", F64, _NULL)),
+           ("alarm_reason", STR, _NULL), ("lr", F64, _NULL),
+           ("update_kl_per_step", _list(F64), _NULL), ("step_weights", _list(F64), _NULL)),
     _table("train_steps", 5,
            "One optimizer step (accumulated over micro-batches): samples used, loss and "
            "diagnostics (null when skipped; ratio mean and clip fraction also per window step), "
