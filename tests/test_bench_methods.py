@@ -54,7 +54,13 @@ from methods.protocols import (
 from methods.report import what_was_tried
 from methods.store_reads import Results
 from methods.summary import ITERATION_STAGES, one_change, one_change_ratios, summarise
-from methods.tables import one_change_table, ratio_cell, type_gain_table, type_gains
+from methods.tables import (
+    one_change_table,
+    per_step_table,
+    ratio_cell,
+    type_gain_table,
+    type_gains,
+)
 
 from tasks.stages.iteration import RUN_STAGES
 
@@ -403,6 +409,24 @@ def test_type_gains_are_paired_per_seed_and_skip_missing_types():
     text = type_gain_table(res, sm, "t", last)
     assert "count: base, gain" in text and "attribute" not in text
     assert "-0.150" in text
+
+
+def test_per_step_table_averages_iterations_then_seeds_and_shows_the_last_weights():
+    curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3,
+              "cast": [[0.5, 0.6, 0.7, 0.72, 0.75]] * 3}
+    finals = {"flowgrpo": [0.11, 0.12, 0.13], "cast": [0.36, 0.37, 0.38]}
+    res = _results(SMALL, curves, finals)
+    sm = summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
+    assert per_step_table(res, sm, "t") is None  # no run records per-step KLs
+    # flowgrpo, 2 window steps: per seed the iterations' KLs [[0.01, 0.1], [0.03, 0.3]] -> mean
+    # (0.02, 0.2) for every seed; its weights at the last iteration (1.5, 0.5); cast unweighted
+    per_step = {f"t-flowgrpo-s{x}": ([[0.01, 0.1], [0.03, 0.3]], [[1.0, 1.0], [1.5, 0.5]])
+                for x in range(3)}
+    per_step["t-cast-s0"] = ([[0.04, 0.04]], None)
+    res = replace(res, per_step=per_step, windows={"t-flowgrpo-s0": ("fixed", 0, 2)})
+    lines = per_step_table(res, sm, "t").splitlines()
+    assert lines[2].split(" | ")[1:] == ["[0, 2)", "0.02 / 0.2", "10.0", "1.50 / 0.50 |"]
+    assert lines[3].split(" | ")[1:] == ["–", "0.04 / 0.04", "1.0", "1 |"]
 
 
 def test_figures_json_entries_and_met_logic():

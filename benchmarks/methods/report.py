@@ -24,6 +24,7 @@ from methods.tables import (
     hf_table,
     interval_cell,
     one_change_table,
+    per_step_table,
     seed_gain_table,
     time_table,
     type_gain_table,
@@ -168,7 +169,8 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
           TIMING_TEXT, "", time_table(sm), "",
           "![stage times](stage_times.png)", "",
           "## Training diagnostics", "", DIAGNOSTICS_TEXT, "", diagnostics_table(res, sm, prefix),
-          "",
+          "", *([PER_STEP_TEXT, "", steps, ""] if (steps := per_step_table(res, sm, prefix))
+                else []),
           *(["## One change at a time", "", ONE_CHANGE_TEXT, "", one_change_table(sm), ""]
             if one_change(sm, sm.arms) else []),
           *recast_lines, what_was_tried(), "## Query the store", "", "```sql",
@@ -223,6 +225,12 @@ DIAGNOSTICS_TEXT = (
     "(only with kl_beta > 0); the std of the ratios; the grad norm before clipping; the fraction "
     "of groups with zero variance. Ratios are per position for the atom arms and all-dims for "
     "Flow-GRPO, so compare ratio columns within a kind; the KLs in nats compare across kinds.")
+PER_STEP_TEXT = (
+    "Per window step, from `checkpoints` (update_kl_per_step, step_weights): the KL each step "
+    "moved an iteration, replayed after training, in nats a sample (a later step has a smaller "
+    "noise std, so the same change of the velocity moves it further), and the loss weight each "
+    "step trained with under `train.kl_target_per_step` (which weights the steps towards equal "
+    "KLs):")
 QUERY = """-- probe curve by arm, seed and iteration (the base: arm 'base', iteration -1)
 SELECT coalesce(nullif(regexp_extract(run_id, '^{prefix}-(.+)-s[0-9]+$', 1), ''), 'base') AS arm,
        regexp_extract(run_id, '-s([0-9]+)$', 1) AS seed, iteration, split, strict_accuracy,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from methods.stats import PromptScores
 
@@ -48,7 +48,9 @@ class Results:
     grids {(run, iteration, split): store path} of the final evaluations; windows {run: (method,
     start, end)}; for the ReCAST section train rewards {(run, iteration): {type: mean, "weights":
     JSON}}, type evals {(run, iteration, split, type): mean score}, gain plots {(run, iteration):
-    path}; diagnostics {run: {column: mean over the run's optimizer steps, "steps": count}}."""
+    path}; diagnostics {run: {column: mean over the run's optimizer steps, "steps": count}};
+    per_step {run: (update KL of each window step per iteration, the steps' loss weights per
+    iteration or None)} where the checkpoints record them."""
 
     evals: dict
     seconds: dict
@@ -59,6 +61,7 @@ class Results:
     type_evals: dict
     gain_plots: dict
     diagnostics: dict
+    per_step: dict = field(default_factory=dict)
 
 
 def _rows(con, sql: str, runs: list[str]) -> list[dict]:
@@ -89,6 +92,23 @@ def _diagnostics(con, runs: list[str]) -> dict:
     return out
 
 
+def _per_step(con, runs: list[str]) -> dict:
+    """{run: (per-step update KLs [iterations x K], per-step loss weights [iterations x K] or
+    None)} from `checkpoints` v5, for the runs whose checkpoints have them (in iteration order)."""
+    present = {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE checkpoints)")
+               .fetchall()}
+    if "update_kl_per_step" not in present:
+        return {}
+    out = {}
+    for r in _rows(con, "SELECT run_id, list(update_kl_per_step ORDER BY iteration) AS kls, "
+                   "list(step_weights ORDER BY iteration) AS weights FROM checkpoints WHERE "
+                   "list_contains($runs, run_id) AND update_kl_per_step IS NOT NULL GROUP BY ALL",
+                   runs):
+        weights = [w for w in r["weights"] if w is not None]
+        out[r["run_id"]] = (r["kls"], weights or None)
+    return out
+
+
 def read_results(store, refs: dict, outputs: dict) -> Results:
     """`refs` {run: {(iteration, what): StageRef}} from the calls (or the store's records);
     `outputs` {(run, iteration, pass): EvalPass} of the evaluations whose per-image scores and
@@ -109,6 +129,7 @@ def read_results(store, refs: dict, outputs: dict) -> Results:
                  for r in _rows(con, TYPE_EVALS_SQL, runs)}
         plots = {(r["run_id"], r["iteration"]): r["plot_path"] for r in _rows(con, GAINS_SQL, runs)}
         diagnostics = _diagnostics(con, runs)
+        per_step = _per_step(con, runs)
     finally:
         con.close()
     seconds = {(run, k, what): recorded[(run, ref.iteration, ref.cache_key)]
@@ -119,4 +140,5 @@ def read_results(store, refs: dict, outputs: dict) -> Results:
         for split, data in read_image_scores(store, found).items():
             scores[(run, k, split)] = PromptScores.from_json(data)
             grids[(run, k, split)] = found.grids[split]
-    return Results(evals, seconds, scores, grids, windows, train, types, plots, diagnostics)
+    return Results(evals, seconds, scores, grids, windows, train, types, plots, diagnostics,
+                   per_step)

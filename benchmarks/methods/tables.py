@@ -182,3 +182,29 @@ def one_change_table(sm: Summary) -> str:
                              ratio_cell(ratios[(a, r, s)])])
     return table(["change", "arms", "split", *(f"{label}, mean [95% t]" for _, label in METRICS),
                   "gain ratio arm / reference, mean score [95% paired bootstrap]"], rows)
+
+
+def per_step_table(res: Results, sm: Summary, prefix: str) -> str | None:
+    """Per arm, how far each window step moved the policy an iteration (checkpoints'
+    update_kl_per_step: mean over iterations, then over seeds) and the ratio of the largest
+    step's to the smallest's, and the steps' loss weights at the last iteration (mean over
+    seeds; "1" where the arm does not weight them). None when no run of the store records
+    per-step KLs."""
+    rows = []
+    for a in sm.arms:
+        found = [res.per_step[r] for x in sm.seeds if (r := run_name(prefix, a, x)) in res.per_step]
+        if not found:
+            continue
+        kl = np.mean([np.mean(np.asarray(kls, dtype=float), axis=0) for kls, _ in found], axis=0)
+        weights = [w[-1] for _, w in found if w]
+        window = res.windows.get(run_name(prefix, a, sm.seeds[0]))
+        rows.append([a, f"[{window[1]}, {window[2]})" if window else "–",
+                     " / ".join(f"{v:.3g}" for v in kl), f"{kl.max() / kl.min():.1f}",
+                     " / ".join(f"{v:.2f}" for v in np.mean(weights, axis=0)) if weights
+                     else "1"])
+    if not rows:
+        return None
+    return table(["arm", "window",
+                  "KL moved per window step (nats a sample, mean over iterations and seeds)",
+                  "largest / smallest",
+                  "loss weight per step, last iteration (mean over seeds)"], rows)
