@@ -130,6 +130,12 @@ class TrainSection(Section):
     controller (`cast_core.lr_schedule.kl_step_weights`: x sqrt(the steps' geometric-mean KL /
     its KL) an iteration, within the lr's factor, renormalised to mean 1 and floored at
     `kl_step_weight_floor`), and the lr's target then acts on KLs the steps share.
+    Measured (reports/cfg1-pool8-rank32-klstep, 3 seeds): it does not work, so it stays off. The
+    steps share the LoRA, so a uniform change of the velocity moves a later step by more nats
+    whatever its weight (1 : 1.7 : 3.9 ... over the schedule), and the controller puts every
+    weight but the first at the floor. Step 0's gradient alone did not learn: Flow-GRPO on
+    [0, 3) lost its whole gain (-0.075 [-0.093, -0.056] on the pool against the window-mean
+    target).
 
     `map_ratio` (ours; spatial credit only): "position" gives each position its own PPO ratio
     (CAST's), "sample" puts the map inside the sample's all-dims ratio, so that a constant map is
