@@ -17,8 +17,8 @@ bounds memory: a micro-batch of n of the mini-batch's m samples backpropagates i
 times n / m, and every sample carries the same number of terms (K steps, h w positions), so the
 accumulated gradient is exactly the gradient of the mini-batch's mean loss. Within a micro-batch
 the K window steps are replayed one at a time and each step's share (its objective / K, plus
-kl_beta * its mean KL / K) is backpropagated at once, so activation memory is one step's of one
-micro-batch, not K's (times the step's ``step_weights`` entry when the config has them). The
+kl_beta * its mean KL / K, times the step's ``step_weights`` entry when the config has them) is
+backpropagated at once, so activation memory is one step's of one micro-batch, not K's. The
 recorded loss and statistics of a step (``UpdateStep``) are recomputed
 from the detached log-probs of all its samples and steps, so they are what one micro-batch of the
 whole mini-batch would give. ``lr_for_step`` (optional) sets every param group's lr before each

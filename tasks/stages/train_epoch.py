@@ -146,14 +146,11 @@ def iteration_step_weights(recipe: Recipe, policy: PolicyState,
     tr = recipe.train
     if not tr.kl_target_per_step:
         return None
-    ones = (1.0,) * window_steps
     kls, weights = policy.update_kl_per_step, policy.step_weights
     if policy.iteration == 0 or kls is None or len(kls) != window_steps:
-        return ones
-    if weights is None or len(weights) != window_steps:
-        weights = ones
-    return kl_step_weights(weights, kls, max_factor=tr.kl_lr_factor,
-                           floor=tr.kl_step_weight_floor)
+        return (1.0,) * window_steps
+    return kl_step_weights(weights if weights and len(weights) == window_steps else None, kls,
+                           max_factor=tr.kl_lr_factor, floor=tr.kl_step_weight_floor)
 
 
 def _optimizer(store: Store, recipe: Recipe, params, optimizer_path: str | None, lr: float):
