@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="every arm's train.kl_target_nats: each iteration's lr set so that "
                              "it moves the policy this many nats per sample and window step "
                              "(--lr is then the first iteration's; use its own --store)")
+    parser.add_argument("--velocity-target", type=float, default=None,
+                        help="every SDE arm's train.velocity_target instead of a KL target: each "
+                             "iteration's lr set so that it changes the window's velocity by this "
+                             "RMS per latent dim (about 0.0165 is the KL target 0.03 on Flow-GRPO's "
+                             "[0, 3) at noise 0.7; use its own --store)")
     parser.add_argument("--pool-prompts", type=int, default=None,
                         help="train (and probe) on the pool's first N prompts only (a set small "
                              "enough to overfit; use its own --store)")
@@ -146,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--lr must be > 0; got {args.lr}")
     if args.kl_target is not None and not args.kl_target > 0:
         parser.error(f"--kl-target must be > 0 nats; got {args.kl_target}")
+    if args.velocity_target is not None and not args.velocity_target > 0:
+        parser.error(f"--velocity-target must be > 0; got {args.velocity_target}")
+    if args.velocity_target is not None and args.kl_target is not None:
+        parser.error("--velocity-target replaces the KL target: drop --kl-target")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1; got {args.jobs}")
     if args.guidance is not None and not args.guidance >= 1.0:
@@ -154,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = parse_settings(args.set)
     except ValueError as e:
         parser.error(str(e))
+    if args.velocity_target is not None:
+        settings["train.velocity_target"] = args.velocity_target
     aliases = {}
     for pair in args.runs_as:
         arm, sep, stored = pair.partition("=")
@@ -177,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"protocol: {protocol.about} -> "
           f"{size}, CFG {protocol.guidance or 'of the recipes'}, pool prompts "
           f"{protocol.pool_prompts or 'all'}, lr {protocol.lr or 'of the recipes'}"
-          f"{f', KL target {protocol.kl_target:g} nats' if protocol.kl_target else ''}"
+          f"{f', KL target {protocol.kl_target:g} nats' if protocol.kl_target and args.velocity_target is None else ''}"
           f"{f', set {settings}' if settings else ''}; store "
           f"{store}, report {report}", flush=True)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,

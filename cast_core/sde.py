@@ -276,6 +276,37 @@ def sde_mean_std(
     return GaussianStep(mean=(ode + correction).to(x_t.dtype), std=step.std / noise_block)
 
 
+@dataclass(frozen=True)
+class VelocityGain:
+    """How one SDE step's Gaussian answers a change of the velocity. Every kind's mean is affine
+    in v with one slope at every position, mean(v + dv) = mean(v) + slope dv, and its std does
+    not depend on v; with block noise b the action is the tile means, whose std is std / b. So a
+    change dv of the velocity (the same at both ends of a KL) moves the step by
+    KL = slope^2 |dv|^2 / (2 std^2) nats, |dv|^2 summed over the action's dims (`nats_per_sq`
+    per unit of |dv|^2). slope < 0 (dt < 0); std 0 (the ODE) has no KL."""
+
+    slope: float
+    std: float
+
+    @property
+    def nats_per_sq(self) -> float:
+        return self.slope**2 / (2.0 * self.std**2)
+
+
+def velocity_gain(t: float, t_next: float, noise_level: float, kind: SdeKind,
+                  t_max: float = 0.99, noise_block: int = 1) -> VelocityGain:
+    """The step's `VelocityGain`, read off the transition itself (at x = 0 with v = 0 and v = 1:
+    exact, the mean being affine in (x, v)). Needs noise_level > 0."""
+    if not noise_level > 0:
+        raise ValueError(f"velocity_gain needs noise_level > 0 (the ODE has no KL); got "
+                         f"{noise_level!r}")
+    zero, one = torch.zeros(1, 1, 1, dtype=torch.float64), torch.ones(1, 1, 1, dtype=torch.float64)
+    at_zero = sde_mean_std(zero, zero, t, t_next, noise_level, kind, t_max=t_max)
+    at_one = sde_mean_std(zero, one, t, t_next, noise_level, kind, t_max=t_max)
+    return VelocityGain(slope=float(at_one.mean - at_zero.mean),
+                        std=float(at_zero.std) / noise_block)
+
+
 def gaussian_log_prob(
     x: Tensor, mean: Tensor, std: Tensor, std_floor: float = 1e-6, noise_block: int = 1
 ) -> Tensor:

@@ -1,13 +1,15 @@
 """How far an update moved the sampler: KL(rollout policy || current policy) in nats per sample
 and window step (`update_kl_nats`: the mean over the window and each step's own), replayed on the
-stored window steps after training. The
+stored window steps after training, and the velocity change it implies (`velocity_change`: RMS per
+action dim, which reads alike across window steps and noise levels where the KL does not). The
 per-step ``policy_kl_nats`` of `cast_core.policy.policy_update` is measured before each optimizer
 step, so it cannot show the last (or only) step's move; this can. The KL-targeted lr
-(`cast_core.lr_schedule.kl_targeted_lr`) steers on it.
+(`cast_core.lr_schedule.kl_targeted_lr`) steers on either.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from cast_core.data_parallel import SOLO, Shard, gather_rows, held_rows, local_r
 from cast_core.loss import summed_kl
 from cast_core.rollout import Rollout, RolloutSpec, replay_steps
 from cast_core.sampling import encode_conditioning
+from cast_core.sde import VelocityGain, velocity_gain
 
 
 @dataclass(frozen=True)
@@ -24,10 +27,37 @@ class UpdateKl:
     """KL(rollout policy || current policy) in nats per sample, summed over the C h w dims:
     `nats` the mean over the window steps, `per_step` each window step's (K values in window
     order, whose mean is `nats`). A later step has a smaller noise std, so the same change of the
-    velocity moves it by more nats."""
+    velocity moves it by more nats; `velocity` is the change of the velocity these KLs imply."""
 
     nats: float
     per_step: tuple[float, ...]
+    velocity: VelocityChange | None = None
+
+
+@dataclass(frozen=True)
+class VelocityChange:
+    """The change of the velocity an update's KL implies, as an RMS per action dim (latent dim;
+    tile-mean dim with block noise): `rms` over the window, sqrt of the mean of the steps'
+    squares, `per_step` each window step's. The same velocity change moves a later step by more
+    nats (`cast_core.sde.VelocityGain`), so unlike the KL these read alike across window steps,
+    windows, noise levels and SDE kinds."""
+
+    rms: float
+    per_step: tuple[float, ...]
+
+
+def velocity_change(per_step_kl: tuple[float, ...], gains: list[VelocityGain],
+                    dims: int) -> VelocityChange:
+    """RMS velocity change per action dim at each window step from the KL it moved (nats per
+    sample, summed over `dims` action dims): the Gaussian's std does not depend on the velocity,
+    so KL_k = slope_k^2 |dv_k|^2 / (2 std_k^2) and rms_k = sqrt(KL_k / (nats_per_sq_k dims))
+    (a KL estimate below 0, possible for k3 only by rounding, counts as 0)."""
+    if len(per_step_kl) != len(gains) or not gains or dims < 1:
+        raise ValueError(f"need one gain per window step's KL and dims >= 1: got {len(gains)} "
+                         f"gains, {len(per_step_kl)} KLs, dims {dims}")
+    per_step = tuple(math.sqrt(max(kl, 0.0) / (g.nats_per_sq * dims))
+                     for kl, g in zip(per_step_kl, gains))
+    return VelocityChange(math.sqrt(sum(r * r for r in per_step) / len(per_step)), per_step)
 
 
 @torch.no_grad()
@@ -78,4 +108,16 @@ def update_kl_nats(
         order = torch.argsort(torch.cat(parts)).to(new_lp.device)  # rank order -> sample order
         new_lp, old_lp = gather_rows(new_lp, sizes)[order], gather_rows(old_lp, sizes)[order]
     kl = summed_kl(new_lp, old_lp, channels)
-    return UpdateKl(float(kl.k3), tuple(float(x) for x in kl.k3_per_step))
+    per_step = tuple(float(x) for x in kl.k3_per_step)
+    return UpdateKl(float(kl.k3), per_step, window_velocity_change(per_step, rollout, spec))
+
+
+def window_velocity_change(per_step_kl: tuple[float, ...], rollout: Rollout,
+                           spec: RolloutSpec) -> VelocityChange:
+    """`velocity_change` of the KLs moved at the rollout's window steps (its t, t_next) under the
+    spec's sampler; the action dims are C x the log-prob grid (the tile grid with block noise)."""
+    gains = [velocity_gain(float(t), float(t_next), spec.noise_level, spec.sde_kind,
+                           noise_block=spec.noise_block)
+             for t, t_next in zip(rollout.t.tolist(), rollout.t_next.tolist())]
+    dims = rollout.latents.shape[2] * rollout.log_probs.shape[-2] * rollout.log_probs.shape[-1]
+    return velocity_change(per_step_kl, gains, dims)

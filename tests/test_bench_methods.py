@@ -643,6 +643,14 @@ def test_nft_suite_is_at_equal_budget_and_samples_with_the_ode():
         check_equal_budget([targeted[0], slower])  # SDE arms share their step
     with pytest.raises(ValueError, match="train.lr"):
         check_equal_budget([*targeted[:3], recipe_for(nft_arms[3], 0, QUICK, "t-n", 1, lr=3e-4)])
+    # a velocity target replaces the KL target on the SDE arms; the NFT arms drop it
+    by_velocity = [recipe_for(a, 0, QUICK, f"t-{a.name}", 1, lr=1e-3, kl_target=0.03,
+                              settings={"train.velocity_target": 0.02}) for a in nft_arms]
+    check_equal_budget(by_velocity)
+    assert [(r.train.kl_target_nats, r.train.velocity_target) for r in by_velocity] == \
+        [(None, 0.02)] * 2 + [(None, None)] * 2
+    with pytest.raises(ValueError, match="train.velocity_target"):
+        check_equal_budget([targeted[0], by_velocity[1]])  # one arm by KL, one by velocity
 
 
 def test_nft_arms_with_their_own_step_keep_it_under_any_protocol_and_share_it():
@@ -711,7 +719,10 @@ def test_protocols_resolve_defaults_quick_and_overrides(monkeypatch, tmp_path):
     assert seen["kl_target"] is None and seen["settings"] == {"train.lora_rank": 16}
     cli.main(["--protocol", "cfg1-pool8-lr4e-4", "--kl-target", "0.05"])
     assert seen["kl_target"] == 0.05 and seen["lr"] == 4e-4
-    for bad in (["--protocol", "nope"], ["--kl-target", "0"], ["--set", "lora_rank=3"]):
+    cli.main(["--velocity-target", "0.021"])
+    assert seen["settings"] == {"train.velocity_target": 0.021}
+    for bad in (["--protocol", "nope"], ["--kl-target", "0"], ["--set", "lora_rank=3"],
+                ["--velocity-target", "0"], ["--velocity-target", "0.02", "--kl-target", "0.03"]):
         with pytest.raises(SystemExit):
             cli.main(bad)
     monkeypatch.chdir(REPO)  # recipes are repo-relative

@@ -187,7 +187,7 @@ def test_rollout_tables_equal_the_atom_scores(run):
 def test_diagnostic_columns_hold_what_they_claim(run):
     store, recipe, _, _ = run
     assert_declared_schemas(store.root)
-    for table, version in (("train_steps", 5), ("checkpoints", 5), ("evals", 2)):
+    for table, version in (("train_steps", 5), ("checkpoints", 6), ("evals", 2)):
         assert TABLES[table].version == version
     run_id = recipe.run.name
     k_steps = recipe.window.size
@@ -214,6 +214,9 @@ def test_diagnostic_columns_hold_what_they_claim(run):
             float(high_frequency_energy(images).mean()), rel=1e-6)  # FFT summation order
         assert (c["alarm_reason"] is None) == (not c["constant_reward_alarm"])
         assert c["lr"] == recipe.train.lr  # no KL target: the recipe's constant lr
+        assert len(c["update_velocity_per_step"]) == k_steps and c["update_velocity_rms"] > 0
+        assert c["update_velocity_rms"] == pytest.approx(
+            (sum(r * r for r in c["update_velocity_per_step"]) / k_steps) ** 0.5, rel=1e-9)
     evals = _rows(store, "evals", run_id=run_id)
     assert {r["group_kind"] for r in evals} == {"overall", "tag", "atom_type", "atom_count"}
     assert all(0.0 <= r["hf_energy"] <= 1.0 for r in evals)

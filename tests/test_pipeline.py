@@ -250,6 +250,28 @@ def test_kl_targeted_lr_sets_each_iteration_from_the_last_move(ref, tmp_path, pe
     assert len(set(want)) > 1  # the steps moved different KLs, so their weights differ
 
 
+def test_velocity_targeted_lr_sets_each_iteration_from_the_last_velocity_change(ref, tmp_path):
+    """With train.velocity_target, iteration k trains at kl_targeted_lr of the squared velocity
+    change (linear in the lr, as the KL is quadratic) against the squared target. The target is a
+    tenth of the change the constant lr makes, so the lr must fall by the clamp and the next
+    change come closer to the target."""
+    _, base_recipe, prompts, _ = ref
+    moved0 = _rows(ref[0], "checkpoints", 0)[0]["update_velocity_rms"]
+    target = moved0 / 10
+    recipe = ci_recipe(prompts, **{"run.name": "velocity-target", "train.velocity_target": target})
+    store = Store(tmp_path / "store")
+    for k in (0, 1):
+        run_iteration(store, recipe, k)
+    ckpts = sorted(store.read_table("checkpoints").to_pylist(), key=lambda r: r["iteration"])
+    tr = recipe.train
+    assert ckpts[0]["lr"] == tr.lr == base_recipe.train.lr
+    assert ckpts[0]["update_velocity_rms"] == pytest.approx(moved0, rel=1e-6)
+    want = kl_targeted_lr(tr.lr, moved0**2, target**2, max_factor=tr.kl_lr_factor,
+                          lr_min=tr.kl_lr_floor * tr.lr, lr_max=tr.kl_lr_ceiling * tr.lr)
+    assert ckpts[1]["lr"] == pytest.approx(want) == pytest.approx(tr.lr / tr.kl_lr_factor)
+    assert abs(math.log(ckpts[1]["update_velocity_rms"] / target)) < abs(math.log(10))
+
+
 def test_rerunning_finished_stages_skips_and_writes_nothing(ref, second):
     store, recipe, _, refs = ref
     before = _snapshot(store)

@@ -11,7 +11,8 @@ from cast_core.loss import spatial_clipped_loss
 from cast_core.lr_schedule import kl_step_weights, kl_targeted_lr, linear_warmup_lr
 from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
-from cast_core.update_kl import update_kl_nats
+from cast_core.sde import block_mean, sde_mean_std, velocity_gain
+from cast_core.update_kl import update_kl_nats, velocity_change
 from cast_core.window import SdeWindow
 
 TINY = ShapesBackboneConfig(num_layers=1, num_heads=2, head_dim=8, text_width=16, text_layers=1)
@@ -458,5 +459,41 @@ def test_update_kl_is_zero_before_and_positive_after_an_update():
     assert moved.nats > 1e-3
     assert len(moved.per_step) == spec.window.size and min(moved.per_step) > 0
     assert sum(moved.per_step) / len(moved.per_step) == pytest.approx(moved.nats, rel=1e-9)
+    assert len(moved.velocity.per_step) == spec.window.size and moved.velocity.rms > 0
+    assert before.velocity.rms < moved.velocity.rms
     with pytest.raises(ValueError, match="max_samples"):
         update_kl_nats(backbone, prompts, ro, spec, max_samples=0)
+
+
+@pytest.mark.parametrize("kind, level, block", [("flow_sde", 0.7, 1), ("flow_sde", 0.2, 1),
+                                                ("cps", 0.5, 1), ("flow_sde", 0.7, 2)])
+def test_velocity_change_recovers_the_velocity_change_from_the_exact_kl(kind, level, block):
+    # closed form: the step's mean moves by slope dv, its std stays, so KL = |dmean|^2 / (2 std^2)
+    # summed over the action's dims (tile means with block noise); velocity_change must give
+    # back the RMS of dv over those dims at each step, whatever the step, kind or level.
+    gen = torch.Generator().manual_seed(0)
+    times = [(1.0, 0.9), (0.6, 0.5), (0.3, 0.2)]
+    x, v = torch.randn(1, 3, 8, 8, generator=gen), torch.randn(1, 3, 8, 8, generator=gen)
+    kls, gains, want = [], [], []
+    for k, (t, t_next) in enumerate(times):
+        dv = (0.01 * (k + 1)) * torch.randn(1, 3, 8, 8, generator=gen)
+        old = sde_mean_std(x, v, t, t_next, level, kind, noise_block=block)
+        new = sde_mean_std(x, v + dv, t, t_next, level, kind, noise_block=block)
+        shift = block_mean(new.mean - old.mean, block)
+        kls.append(float((shift**2).sum() / (2 * old.std.flatten()[0] ** 2)))
+        gains.append(velocity_gain(t, t_next, level, kind, noise_block=block))
+        want.append(float(block_mean(dv, block).pow(2).mean().sqrt()))
+    got = velocity_change(tuple(kls), gains, dims=3 * (8 // block) ** 2)
+    assert got.per_step == pytest.approx(want, rel=1e-5)
+    assert got.rms == pytest.approx((sum(w * w for w in want) / 3) ** 0.5, rel=1e-5)
+    # the KL of one velocity change grows down the schedule (smaller std): the point of the unit
+    assert gains[0].nats_per_sq < gains[1].nats_per_sq < gains[2].nats_per_sq
+
+
+def test_velocity_change_validation():
+    gain = velocity_gain(1.0, 0.9, 0.7, "flow_sde")
+    with pytest.raises(ValueError, match="one gain per window step"):
+        velocity_change((0.1, 0.2), [gain], dims=4)
+    with pytest.raises(ValueError, match="noise_level > 0"):
+        velocity_gain(1.0, 0.9, 0.0, "flow_sde")
+    assert velocity_change((-1e-12,), [gain], dims=4).rms == 0.0

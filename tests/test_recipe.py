@@ -200,6 +200,16 @@ def test_kl_targeted_lr_fields_are_checked_and_printed():
         CI, {"train.kl_target_nats": 0.03}).section_hash("train")
     assert "needs train.kl_target_nats" in _error(CI, {"train.kl_target_per_step": True})
     assert "train.kl_step_weight_floor" in _error(CI, {"train.kl_step_weight_floor": 0.0})
+    velocity = load_recipe(CI, {"train.velocity_target": 0.02})
+    assert velocity.derived()["lr_schedule"] == (
+        f"velocity-targeted: {lr:g} at iteration 0, then x 0.02 / the last update's velocity "
+        f"change (RMS per latent dim) within x[1/2, 2] an iteration and [{0.1 * lr:g}, "
+        f"{10 * lr:g}]")
+    assert velocity.section_hash("train") != base.section_hash("train")
+    assert "keep one" in _error(CI, {"train.velocity_target": 0.02,
+                                     "train.kl_target_nats": 0.03})
+    assert "ODE rollouts" in _error(CI, {**nft, "train.velocity_target": 0.02})
+    assert "train.velocity_target" in _error(CI, {"train.velocity_target": 0.0})
 
 
 def test_overrides_apply_before_validation():

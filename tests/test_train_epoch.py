@@ -3,6 +3,7 @@ steps -> `train_steps` rows, the trained policy's blobs and diagnostics -> the `
 the advantage blob -> what the loss trains on. The stage itself runs in test_pipeline.py."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from cast_core.diagnostics import RewardAlarm
 from cast_core.lr_schedule import kl_step_weights
 from cast_core.nft_update import NftConfig, NftStep
 from cast_core.policy import UpdateStep
+from cast_core.update_kl import VelocityChange
 from tasks.stages.policy_state import PolicyState
 from tasks.stages.recipe import load_recipe
 from tasks.stages.recipe_method import TrainSection
@@ -126,7 +128,16 @@ def test_checkpoint_row_names_the_blobs_and_carries_the_diagnostics():
                    "optimizer_steps": 4, "param_change_norm": 0.125, "update_kl_nats": None,
                    "rollout_hf_energy": 0.03, "constant_reward_alarm": True,
                    "alarm_reason": "all 4 scalar rewards are equal", "lr": 5e-4,
-                   "update_kl_per_step": None, "step_weights": None}
+                   "update_kl_per_step": None, "step_weights": None,
+                   "update_velocity_rms": None, "update_velocity_per_step": None}
+    moved = replace(outcome, update_kl_nats=0.5, update_kl_per_step=(0.25, 0.75),
+                    velocity=VelocityChange(0.02, (0.01, 0.025)))
+    row = checkpoint_row(KEYS, BlobRef("blobs/ab/lora", "ab" * 32),
+                         BlobRef("blobs/cd/opt", "cd" * 32), "base-id", train, moved, 0.03,
+                         alarm, 5e-4)
+    conform("checkpoints", [row])
+    assert (row["update_kl_per_step"], row["update_velocity_rms"],
+            row["update_velocity_per_step"]) == ([0.25, 0.75], 0.02, [0.01, 0.025])
 
 
 def test_pick_advantage_per_kind():

@@ -226,19 +226,24 @@ def recipe_for(arm: Arm, seed: int, size: Size, name: str, threads: int | None,
     of every evaluation; `pool` another training pool file; `kl_target` sets
     `train.kl_target_nats`, None a constant lr even where the recipe targets a KL; the arm's
     `fixed` settings (its own step) then replace these; `settings`
-    {dotted key: value} are set on every arm after its own overrides, as `--set` does)."""
+    {dotted key: value} are set on every arm after its own overrides, as `--set` does; a
+    `train.velocity_target` among them replaces the KL target, and a forward-process arm, which
+    has no SDE window to measure a move on, drops it)."""
     from tasks.stages.recipe import load_recipe
 
     sized = {"prompts.per_iteration": size.per_iteration, "prompts.group_size": size.group_size,
              "window.calibration_prompts": size.calibration_prompts, "run.threads": threads,
              "train.lr": lr, "sampling.guidance_scale": guidance, "eval.guidance_scale": guidance}
+    settings = settings or {}
+    nft = arm.overrides.get("train.objective") == "nft"
+    by_velocity = settings.get("train.velocity_target") is not None
     return load_recipe(arm.recipe, {
         **arm.overrides, **{k: v for k, v in sized.items() if v is not None},
         # None: a constant lr, whatever the recipe's; a forward-process arm has no likelihoods
         # to measure a KL with, so it trains at the constant lr (`arms.STEP`)
-        "train.kl_target_nats": None if arm.overrides.get("train.objective") == "nft" else kl_target,
-        **arm.fixed, **(settings or {}), "run.name": name, "run.seed": seed, "prompts.train": pool,
-        "prompts.selection": "cycle"})
+        "train.kl_target_nats": None if nft or by_velocity else kl_target,
+        **arm.fixed, **settings, **({"train.velocity_target": None} if nft else {}),
+        "run.name": name, "run.seed": seed, "prompts.train": pool, "prompts.selection": "cycle"})
 
 
 

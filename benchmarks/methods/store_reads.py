@@ -34,6 +34,8 @@ DIAGNOSTIC_COLUMNS = (("clip_fraction", "clip fraction", ".4f"), ("ratio_k3", "r
                       ("approx_kl", "approx KL (older name)", ".2e"),
                       ("policy_kl_nats", "policy KL (nats)", ".3g"),
                       ("update_kl_nats", "KL moved an iteration (nats)", ".3g"),
+                      ("update_velocity_rms", "velocity change an iteration (RMS a latent dim)",
+                       ".3g"),
                       ("iteration_lr", "lr (mean over iterations)", ".3g"),
                       ("ref_kl_nats", "ref KL (nats)", ".3g"),
                       ("ratio_std", "ratio std", ".4f"), ("grad_norm", "grad norm", ".4f"),
@@ -78,12 +80,16 @@ def _diagnostics(con, runs: list[str]) -> dict:
     sql = (f"SELECT run_id, {''.join(f'avg({c}) AS {c}, ' for c in columns)}count(*) AS steps "
            f"FROM train_steps WHERE list_contains($runs, run_id) {skipped} GROUP BY ALL")
     out = {r["run_id"]: r for r in _rows(con, sql, runs)}
-    # checkpoints.update_kl_nats (one per iteration: how far its training moved the policy)
-    if "update_kl_nats" in {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE "
-                                                      "checkpoints)").fetchall()}:
-        for r in _rows(con, "SELECT run_id, avg(update_kl_nats) AS update_kl_nats FROM "
-                       "checkpoints WHERE list_contains($runs, run_id) GROUP BY ALL", runs):
-            out.setdefault(r["run_id"], {"steps": 0})["update_kl_nats"] = r["update_kl_nats"]
+    # checkpoints.update_kl_nats and (v6) update_velocity_rms: one per iteration, how far its
+    # training moved the policy in nats and the velocity change that implies
+    in_checkpoints = {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE checkpoints)")
+                      .fetchall()}
+    for column in ("update_kl_nats", "update_velocity_rms"):
+        if column not in in_checkpoints:
+            continue
+        for r in _rows(con, f"SELECT run_id, avg({column}) AS {column} FROM checkpoints WHERE "
+                       "list_contains($runs, run_id) GROUP BY ALL", runs):
+            out.setdefault(r["run_id"], {"steps": 0})[column] = r[column]
     if "lr" in {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE checkpoints)")
                 .fetchall()}:  # the iteration's lr (KL-targeted or constant), checkpoints v4
         for r in _rows(con, "SELECT run_id, avg(lr) AS iteration_lr FROM checkpoints WHERE "

@@ -19,7 +19,9 @@ class PolicyState:
     update_kl_nats: the lr the previous iteration trained at and how far that moved the policy
     (nats per sample and window step), None at iteration 0 or when its checkpoint lacks them;
     update_kl_per_step and step_weights: that KL at each window step and the loss weights of the
-    steps it trained with (`train.kl_target_per_step`), None likewise or when unused."""
+    steps it trained with (`train.kl_target_per_step`), None likewise or when unused;
+    update_velocity_rms: the change of the velocity that move implies (RMS per action dim), None
+    likewise."""
 
     iteration: int
     policy_hash: str
@@ -29,6 +31,7 @@ class PolicyState:
     update_kl_nats: float | None = None
     update_kl_per_step: tuple[float, ...] | None = None
     step_weights: tuple[float, ...] | None = None
+    update_velocity_rms: float | None = None
 
 
 def base_policy(recipe: Recipe) -> PolicyState:
@@ -50,7 +53,7 @@ def policy_for(store: Store, recipe: Recipe, iteration: int) -> PolicyState:
     row = rows[0]
     return PolicyState(iteration, row["policy_hash"], row["lora_path"], row["optimizer_path"],
                        row["lr"], row["update_kl_nats"], _tuple(row.get("update_kl_per_step")),
-                       _tuple(row.get("step_weights")))
+                       _tuple(row.get("step_weights")), row.get("update_velocity_rms"))
 
 
 def _tuple(values: list[float] | None) -> tuple[float, ...] | None:

@@ -105,6 +105,15 @@ class Recipe(Section):
             raise ValueError("train.kl_target_nats sets the lr from the update's KL in nats, "
                              "which needs the SDE's likelihoods; train.objective = 'nft' has none: "
                              "drop kl_target_nats (use a constant train.lr)")
+        if self.train.velocity_target is not None and self.train.kl_target_nats is not None:
+            raise ValueError("train.velocity_target and train.kl_target_nats both set the lr from "
+                             "the last update's move: keep one")
+        if self.train.velocity_target is not None and (self.train.objective == "nft"
+                                                       or self.sampling.noise_level == 0):
+            raise ValueError("train.velocity_target reads the velocity change off the update's KL "
+                             "on the SDE window, which ODE rollouts (sampling.noise_level = 0, "
+                             "as train.objective = 'nft' uses) do not have: drop velocity_target "
+                             "(use a constant train.lr)")
         if self.train.kl_target_per_step and self.train.kl_target_nats is None:
             raise ValueError("train.kl_target_per_step weights the window steps towards the KL "
                              "target each; it needs train.kl_target_nats (e.g. 0.03), or drop "
@@ -206,9 +215,14 @@ class Recipe(Section):
 
     def _lr_schedule(self) -> str:
         tr = self.train
+        lo, hi = tr.kl_lr_floor, tr.kl_lr_ceiling
+        if tr.velocity_target is not None:
+            return (f"velocity-targeted: {tr.lr:g} at iteration 0, then x {tr.velocity_target:g} "
+                    f"/ the last update's velocity change (RMS per latent dim) within "
+                    f"x[1/{tr.kl_lr_factor:g}, {tr.kl_lr_factor:g}] an iteration and "
+                    f"[{lo * tr.lr:g}, {hi * tr.lr:g}]")
         if tr.kl_target_nats is None:
             return f"constant {tr.lr:g}"
-        lo, hi = tr.kl_lr_floor, tr.kl_lr_ceiling
         return (f"KL-targeted: {tr.lr:g} at iteration 0, then x sqrt({tr.kl_target_nats:g} nats / "
                 f"the last update's KL) within x[1/{tr.kl_lr_factor:g}, {tr.kl_lr_factor:g}] an "
                 f"iteration and [{lo * tr.lr:g}, {hi * tr.lr:g}]"

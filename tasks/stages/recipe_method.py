@@ -137,6 +137,18 @@ class TrainSection(Section):
     [0, 3) lost its whole gain (-0.075 [-0.093, -0.056] on the pool against the window-mean
     target).
 
+    `velocity_target` (ours; instead of `kl_target_nats`): the same controller on the change of
+    the velocity the update's KL implies, an RMS per latent dim over the window
+    (`cast_core.update_kl.velocity_change`): iteration k runs at the previous lr times
+    velocity_target / its `update_velocity_rms` (the velocity change is about linear in the lr),
+    clamped alike. The KL of one velocity change grows down the schedule and as the noise level
+    falls (Flow-SDE a = 0.7, 10 steps: 1 : 1.7 : 3.9 : 6.6 : 10 : 16 : 23 : 36 : 62 : 140 over
+    the steps; steps 0-2 at a = 0.2: 8.8x a = 0.7's), so a KL target gives a wide or late window,
+    or a lower noise, a smaller velocity step than Flow-GRPO's [0, 3) at a = 0.7; a velocity
+    target gives every window and noise level the same one. About 0.0165 is what the KL target
+    0.03 gave Flow-GRPO on [0, 3) at a = 0.7: its first update changed the three steps'
+    velocities 1 : 2.7 : 6.6 (RMS 0.085 at 0.79 nats; reports/cfg1-pool8-rank32-klstep's store).
+
     `map_ratio` (ours; spatial credit only): "position" gives each position its own PPO ratio
     (CAST's), "sample" puts the map inside the sample's all-dims ratio, so that a constant map is
     exactly Flow-GRPO's loss; the per-position ratio's second-order term pushes positive-credit
@@ -147,7 +159,8 @@ class TrainSection(Section):
     hash_if_set: ClassVar[tuple[str, ...]] = (
         "objective", "nft_beta", "nft_t_min", "nft_t_max", "nft_a_max", "nft_adaptive_weight",
         "nft_centre", "nft_guidance", "kl_target_nats", "kl_lr_factor", "kl_lr_floor",
-        "kl_lr_ceiling", "map_ratio", "kl_target_per_step", "kl_step_weight_floor")
+        "kl_lr_ceiling", "map_ratio", "kl_target_per_step", "kl_step_weight_floor",
+        "velocity_target")
 
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
@@ -182,6 +195,10 @@ class TrainSection(Section):
         "steps of a wide window no longer set the lr of the early ones")
     kl_step_weight_floor: float = Field(0.05, gt=0.0, le=1.0,
                                         description="no window step's loss weight goes below this")
+    velocity_target: float | None = Field(
+        None, gt=0.0, description="instead of kl_target_nats: each iteration's lr set so that the "
+        "update changes the window's velocity by this RMS per latent dim (the KL it moved, "
+        "converted through each step's sampler gain: cast_core.update_kl.velocity_change)")
     map_ratio: Literal["position", "sample"] = Field(
         "position", description="spatial credit: a PPO ratio per position (CAST's) or the map "
         "inside the sample's all-dims ratio (cast_core.loss.sample_ratio_spatial_loss; then "

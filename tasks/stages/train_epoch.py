@@ -10,7 +10,8 @@ skips and records a bad step), with the lr of each optimizer step set by a linea
 first `warmup_steps` optimizer steps of the run (counted from the AdamW state's step, so across
 iterations; `cast_core.lr_schedule.linear_warmup_lr`) applied to the iteration's lr
 (`iteration_lr`: `train.lr`, or with `train.kl_target_nats` the previous iteration's lr scaled by
-how far that iteration moved the policy, so that each iteration moves about the target; with
+how far that iteration moved the policy, so that each iteration moves about the target, or with
+`train.velocity_target` by the change of the velocity that move implies; with
 `train.kl_target_per_step` as well, each window step's loss is weighted so that every step moves
 about the same KL, `iteration_step_weights`). With
 `recast.weighting` "static" or "recast" the loss takes one map per window step instead: the atom types' shares of CAST's map (`type_maps`)
@@ -29,7 +30,8 @@ step nearest its t (`cast_core.nft.covered_steps`, `credit_at_t`). It writes:
   (`cast_core.diagnostics`): the norm of the LoRA change over this training, how far it moved
   the policy (`update_kl_nats`: KL(rollout policy || trained policy) per sample and window step
   in nats, replayed on up to 64 of the samples after the last step, and `update_kl_per_step`,
-  the same at each window step), the mean high-frequency energy of the rollout images, the
+  the same at each window step; `update_velocity_rms` and `update_velocity_per_step`, the
+  velocity change it implies, RMS per latent dim), the mean high-frequency energy of the rollout images, the
   constant-reward alarm, the iteration's lr and the window steps' loss weights.
 Weights that came out non-finite (e.g. a huge lr: each step is finite until the weights are not)
 are never saved: the stage raises `NonFiniteWeights` (a `StageRefused`), which leaves a
@@ -127,13 +129,20 @@ def iteration_lr(recipe: Recipe, policy: PolicyState) -> float:
     """The lr this iteration trains at before the warm-up's factor: `train.lr`, or with
     `train.kl_target_nats` the previous iteration's lr scaled towards the KL target by how far it
     moved the policy (`cast_core.lr_schedule.kl_targeted_lr`; `train.lr` at iteration 0, and for a
-    previous checkpoint written before checkpoints had an lr)."""
+    previous checkpoint written before checkpoints had an lr), or with `train.velocity_target`
+    the same towards a change of the velocity (`update_velocity_rms`; a checkpoint without one
+    keeps its lr)."""
     tr = recipe.train
-    if tr.kl_target_nats is None or policy.iteration == 0:
+    if policy.iteration == 0 or (tr.kl_target_nats is None and tr.velocity_target is None):
         return tr.lr
-    return kl_targeted_lr(tr.lr if policy.lr is None else policy.lr, policy.update_kl_nats,
-                          tr.kl_target_nats, max_factor=tr.kl_lr_factor,
-                          lr_min=tr.kl_lr_floor * tr.lr, lr_max=tr.kl_lr_ceiling * tr.lr)
+    if tr.velocity_target is not None:  # the velocity change is about linear in the lr, the KL
+        moved = policy.update_velocity_rms  # quadratic: square both, and the same controller
+        moved, target = (None if moved is None else moved**2), tr.velocity_target**2
+    else:
+        moved, target = policy.update_kl_nats, tr.kl_target_nats
+    return kl_targeted_lr(tr.lr if policy.lr is None else policy.lr, moved, target,
+                          max_factor=tr.kl_lr_factor, lr_min=tr.kl_lr_floor * tr.lr,
+                          lr_max=tr.kl_lr_ceiling * tr.lr)
 
 
 def iteration_step_weights(recipe: Recipe, policy: PolicyState,

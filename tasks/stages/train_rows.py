@@ -114,4 +114,7 @@ def checkpoint_row(keys: dict, lora: BlobRef, optimizer: BlobRef, base: str,
             "constant_reward_alarm": alarm.alarm, "alarm_reason": alarm.reason, "lr": lr,
             "update_kl_per_step": (None if outcome.update_kl_per_step is None
                                    else list(outcome.update_kl_per_step)),
-            "step_weights": None if outcome.step_weights is None else list(outcome.step_weights)}
+            "step_weights": None if outcome.step_weights is None else list(outcome.step_weights),
+            "update_velocity_rms": None if outcome.velocity is None else outcome.velocity.rms,
+            "update_velocity_per_step": (None if outcome.velocity is None
+                                         else list(outcome.velocity.per_step))}

@@ -24,7 +24,7 @@ from cast_core.lr_schedule import linear_warmup_lr
 from cast_core.nft_update import NftConfig, NftStep, nft_step_indices, nft_update
 from cast_core.policy import PolicyConfig, UpdateStep, policy_update, step_indices
 from cast_core.rollout import Rollout, RolloutSpec
-from cast_core.update_kl import update_kl_nats
+from cast_core.update_kl import VelocityChange, update_kl_nats
 from tasks.stages.models import lora_tensors, optimizer_tensors
 from tasks.stages.recipe import Recipe
 from tasks.store.stage import StageRefused, derive_seed
@@ -64,7 +64,8 @@ class TrainOutcome:
     trained LoRA and AdamW state (tensors and param_groups JSON), AdamW's step count after, the
     LoRA change norm, and KL(rollout policy || trained policy) in nats (None for ODE rollouts):
     the window's mean and each step's; step_weights: the window steps' loss weights it trained
-    with (None: every step 1)."""
+    with (None: every step 1); velocity: the change of the velocity the KL implies (RMS per
+    action dim, `cast_core.update_kl.velocity_change`; None for ODE rollouts)."""
 
     updates: list[UpdateStep] | list[NftStep]
     first_step: int
@@ -76,6 +77,7 @@ class TrainOutcome:
     update_kl_nats: float | None
     update_kl_per_step: tuple[float, ...] | None = None
     step_weights: tuple[float, ...] | None = None
+    velocity: VelocityChange | None = None
 
 
 
@@ -237,6 +239,7 @@ def train_policy(backbone, params: list[Tensor], optimizer: torch.optim.Optimize
     return TrainOutcome(updates, first_step, lora, state, groups, _adam_steps(optimizer, params),
                         param_change_norm(before, params),
                         None if moved is None else moved.nats,
-                        None if moved is None else moved.per_step, step_weights)
+                        None if moved is None else moved.per_step, step_weights,
+                        None if moved is None else moved.velocity)
 
 

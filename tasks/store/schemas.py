@@ -61,7 +61,11 @@ them):
   is computed from. Version 5 adds `update_kl_per_step` (the same KL at each window step, K
   values in window order whose mean is `update_kl_nats`; null in older files and for the ODE)
   and `step_weights` (the loss weight of each window step the iteration trained with, under
-  `train.kl_target_per_step`; null otherwise: every step 1).
+  `train.kl_target_per_step`; null otherwise: every step 1). Version 6 adds the change of the
+  velocity that KL implies, as an RMS per action dim (latent dim; tile-mean dim with block
+  noise): `update_velocity_rms` over the window and `update_velocity_per_step` (null in older
+  files and for the ODE). A later window step has a smaller noise std, so the same velocity change
+  moves it by more nats; the velocity reads alike across steps, windows and noise levels.
 - `evals.group_kind` is "overall" (group_name "all"), "tag", "atom_type" (images: those with at
   least one atom of the type; strict_accuracy = atom_accuracy there) or "atom_count" (group_name
   the number of atoms of the prompt); `hf_energy` is the group's mean image high-frequency energy.
@@ -165,7 +169,7 @@ _SPECS = (
            *_KEYS, ("reward", F64), ("scalar_advantage", F64), ("blob_index", I32),
            ("map_path", STR), ("map_hash", STR), ("map_h", I32), ("map_w", I32), ("mass", F64),
            ("coverage", F64)),
-    _table("checkpoints", 5,
+    _table("checkpoints", 6,
            "The LoRA policy and optimizer state after an iteration's training, with the "
            "iteration's diagnostics: LoRA change norm, the update's KL in nats, rollout HF "
            "energy, constant-reward alarm, the lr the iteration ran at.",
@@ -175,7 +179,8 @@ _SPECS = (
            ("param_change_norm", F64), ("update_kl_nats", F64, _NULL),
            ("rollout_hf_energy", F64), ("constant_reward_alarm", BOOL),
            ("alarm_reason", STR, _NULL), ("lr", F64, _NULL),
-           ("update_kl_per_step", _list(F64), _NULL), ("step_weights", _list(F64), _NULL)),
+           ("update_kl_per_step", _list(F64), _NULL), ("step_weights", _list(F64), _NULL),
+           ("update_velocity_rms", F64, _NULL), ("update_velocity_per_step", _list(F64), _NULL)),
     _table("train_steps", 5,
            "One optimizer step (accumulated over micro-batches): samples used, loss and "
            "diagnostics (null when skipped; ratio mean and clip fraction also per window step), "
