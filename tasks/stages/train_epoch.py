@@ -31,8 +31,9 @@ step nearest its t (`cast_core.nft.covered_steps`, `credit_at_t`). It writes:
   the policy (`update_kl_nats`: KL(rollout policy || trained policy) per sample and window step
   in nats, replayed on up to 64 of the samples after the last step, and `update_kl_per_step`,
   the same at each window step; `update_velocity_rms` and `update_velocity_per_step`, the
-  velocity change it implies, RMS per latent dim), the mean high-frequency energy of the rollout images, the
-  constant-reward alarm, the iteration's lr and the window steps' loss weights.
+  velocity change it implies, RMS per latent dim), the mean high-frequency energy of the
+  rollout images, the constant-reward alarm, the iteration's lr and the window steps' loss
+  weights.
 Weights that came out non-finite (e.g. a huge lr: each step is finite until the weights are not)
 are never saved: the stage raises `NonFiniteWeights` (a `StageRefused`), which leaves a
 `stage_failures` row with each step's loss, lr and skip reason, writes no blob, table row or
