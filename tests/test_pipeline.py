@@ -208,6 +208,17 @@ def test_second_iteration_starts_from_the_first_checkpoint(ref, second):
     assert sorted(s["step"] for s in steps) == list(range(len(steps)))
 
 
+def _two_iterations(prompts, tmp_path, **overrides):
+    """Iterations 0 and 1 of the CI recipe with `overrides` in a fresh store: (recipe, store,
+    checkpoints rows in iteration order)."""
+    recipe = ci_recipe(prompts, **overrides)
+    store = Store(tmp_path / "store")
+    for k in (0, 1):
+        run_iteration(store, recipe, k)
+    return recipe, store, sorted(store.read_table("checkpoints").to_pylist(),
+                                 key=lambda r: r["iteration"])
+
+
 @pytest.mark.parametrize("per_step", [False, True])
 def test_kl_targeted_lr_sets_each_iteration_from_the_last_move(ref, tmp_path, per_step):
     """With train.kl_target_nats, iteration k trains at kl_targeted_lr(lr of k - 1, its
@@ -220,12 +231,9 @@ def test_kl_targeted_lr_sets_each_iteration_from_the_last_move(ref, tmp_path, pe
     store0 = ref[0]
     moved0 = _rows(store0, "checkpoints", 0)[0]["update_kl_nats"]
     target = moved0 / 10
-    recipe = ci_recipe(prompts, **{"run.name": "kl-target", "train.kl_target_nats": target,
-                                   "train.kl_target_per_step": per_step})
-    store = Store(tmp_path / "store")
-    for k in (0, 1):
-        run_iteration(store, recipe, k)
-    ckpts = sorted(store.read_table("checkpoints").to_pylist(), key=lambda r: r["iteration"])
+    recipe, store, ckpts = _two_iterations(prompts, tmp_path, **{
+        "run.name": "kl-target", "train.kl_target_nats": target,
+        "train.kl_target_per_step": per_step})
     tr = recipe.train
     assert ckpts[0]["lr"] == tr.lr == base_recipe.train.lr
     assert ckpts[0]["update_kl_nats"] == pytest.approx(moved0, rel=1e-6)  # same as the reference
@@ -258,11 +266,8 @@ def test_velocity_targeted_lr_sets_each_iteration_from_the_last_velocity_change(
     _, base_recipe, prompts, _ = ref
     moved0 = _rows(ref[0], "checkpoints", 0)[0]["update_velocity_rms"]
     target = moved0 / 10
-    recipe = ci_recipe(prompts, **{"run.name": "velocity-target", "train.velocity_target": target})
-    store = Store(tmp_path / "store")
-    for k in (0, 1):
-        run_iteration(store, recipe, k)
-    ckpts = sorted(store.read_table("checkpoints").to_pylist(), key=lambda r: r["iteration"])
+    recipe, _, ckpts = _two_iterations(prompts, tmp_path, **{
+        "run.name": "velocity-target", "train.velocity_target": target})
     tr = recipe.train
     assert ckpts[0]["lr"] == tr.lr == base_recipe.train.lr
     assert ckpts[0]["update_velocity_rms"] == pytest.approx(moved0, rel=1e-6)
