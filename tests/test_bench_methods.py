@@ -419,14 +419,16 @@ def test_per_step_table_averages_iterations_then_seeds_and_shows_the_last_weight
     sm = summarise(res, ["flowgrpo", "cast"], [0, 1, 2], "t", SMALL)
     assert per_step_table(res, sm, "t") is None  # no run records per-step KLs
     # flowgrpo, 2 window steps: per seed the iterations' KLs [[0.01, 0.1], [0.03, 0.3]] -> mean
-    # (0.02, 0.2) for every seed; its weights at the last iteration (1.5, 0.5); cast unweighted
-    per_step = {f"t-flowgrpo-s{x}": ([[0.01, 0.1], [0.03, 0.3]], [[1.0, 1.0], [1.5, 0.5]])
-                for x in range(3)}
-    per_step["t-cast-s0"] = ([[0.04, 0.04]], None)
+    # (0.02, 0.2) for every seed, velocities likewise (0.002, 0.004); its weights at the last
+    # iteration (1.5, 0.5); cast unweighted, from checkpoints without velocities
+    per_step = {f"t-flowgrpo-s{x}": ([[0.01, 0.1], [0.03, 0.3]], [[1.0, 1.0], [1.5, 0.5]],
+                                     [[0.001, 0.003], [0.003, 0.005]]) for x in range(3)}
+    per_step["t-cast-s0"] = ([[0.04, 0.04]], None, None)
     res = replace(res, per_step=per_step, windows={"t-flowgrpo-s0": ("fixed", 0, 2)})
     lines = per_step_table(res, sm, "t").splitlines()
-    assert lines[2].split(" | ")[1:] == ["[0, 2)", "0.02 / 0.2", "10.0", "1.50 / 0.50 |"]
-    assert lines[3].split(" | ")[1:] == ["–", "0.04 / 0.04", "1.0", "1 |"]
+    assert lines[2].split(" | ")[1:] == ["[0, 2)", "0.02 / 0.2", "10.0", "0.002 / 0.004",
+                                         "1.50 / 0.50 |"]
+    assert lines[3].split(" | ")[1:] == ["–", "0.04 / 0.04", "1.0", "–", "1 |"]
 
 
 def test_figures_json_entries_and_met_logic():

@@ -226,9 +226,11 @@ DIAGNOSTICS_TEXT = (
     "of groups with zero variance. Ratios are per position for the atom arms and all-dims for "
     "Flow-GRPO, so compare ratio columns within a kind; the KLs in nats compare across kinds.")
 PER_STEP_TEXT = (
-    "Per window step, from `checkpoints` (update_kl_per_step, step_weights): the KL each step "
-    "moved an iteration, replayed after training, in nats a sample (a later step has a smaller "
-    "noise std, so the same change of the velocity moves it further), and the loss weight each "
+    "Per window step, from `checkpoints` (update_kl_per_step, update_velocity_per_step, "
+    "step_weights): the KL each step moved an iteration, replayed after training, in nats a "
+    "sample (a later step has a smaller noise std, so the same change of the velocity moves it "
+    "further), the change of the velocity that KL implies (RMS a latent dim, "
+    "`cast_core.update_kl.velocity_change`), and the loss weight each "
     "step trained with under `train.kl_target_per_step` (which weights the steps towards equal "
     "KLs):")
 QUERY = """-- probe curve by arm, seed and iteration (the base: arm 'base', iteration -1)

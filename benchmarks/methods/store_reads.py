@@ -52,7 +52,8 @@ class Results:
     JSON}}, type evals {(run, iteration, split, type): mean score}, gain plots {(run, iteration):
     path}; diagnostics {run: {column: mean over the run's optimizer steps, "steps": count}};
     per_step {run: (update KL of each window step per iteration, the steps' loss weights per
-    iteration or None)} where the checkpoints record them."""
+    iteration or None, the velocity change of each step per iteration or None)} where the
+    checkpoints record them."""
 
     evals: dict
     seconds: dict
@@ -100,18 +101,23 @@ def _diagnostics(con, runs: list[str]) -> dict:
 
 def _per_step(con, runs: list[str]) -> dict:
     """{run: (per-step update KLs [iterations x K], per-step loss weights [iterations x K] or
-    None)} from `checkpoints` v5, for the runs whose checkpoints have them (in iteration order)."""
+    None, per-step velocity changes [iterations x K] or None)} from `checkpoints` v5 (the
+    velocities v6), for the runs whose checkpoints have them (in iteration order)."""
     present = {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE checkpoints)")
                .fetchall()}
     if "update_kl_per_step" not in present:
         return {}
+    velocity = ("update_velocity_per_step" if "update_velocity_per_step" in present
+                else "NULL::DOUBLE[]")
     out = {}
     for r in _rows(con, "SELECT run_id, list(update_kl_per_step ORDER BY iteration) AS kls, "
-                   "list(step_weights ORDER BY iteration) AS weights FROM checkpoints WHERE "
+                   "list(step_weights ORDER BY iteration) AS weights, "
+                   f"list({velocity} ORDER BY iteration) AS velocities FROM checkpoints WHERE "
                    "list_contains($runs, run_id) AND update_kl_per_step IS NOT NULL GROUP BY ALL",
                    runs):
         weights = [w for w in r["weights"] if w is not None]
-        out[r["run_id"]] = (r["kls"], weights or None)
+        velocities = [v for v in r["velocities"] if v is not None]
+        out[r["run_id"]] = (r["kls"], weights or None, velocities or None)
     return out
 
 

@@ -187,19 +187,27 @@ def one_change_table(sm: Summary) -> str:
 def per_step_table(res: Results, sm: Summary, prefix: str) -> str | None:
     """Per arm, how far each window step moved the policy an iteration (checkpoints'
     update_kl_per_step: mean over iterations, then over seeds) and the ratio of the largest
-    step's to the smallest's, and the steps' loss weights at the last iteration (mean over
-    seeds; "1" where the arm does not weight them). None when no run of the store records
-    per-step KLs."""
+    step's to the smallest's, the velocity change each step's KL implies (update_velocity_per_step,
+    RMS a latent dim, averaged alike; "–" where the checkpoints predate it), and the steps' loss
+    weights at the last iteration (mean over seeds; "1" where the arm does not weight them).
+    None when no run of the store records per-step KLs."""
     rows = []
+
+    def mean_of_runs(per_run: list) -> np.ndarray:  # [iterations x K] per run -> [K]
+        return np.mean([np.mean(np.asarray(x, dtype=float), axis=0) for x in per_run], axis=0)
+
     for a in sm.arms:
         found = [res.per_step[r] for x in sm.seeds if (r := run_name(prefix, a, x)) in res.per_step]
         if not found:
             continue
-        kl = np.mean([np.mean(np.asarray(kls, dtype=float), axis=0) for kls, _ in found], axis=0)
-        weights = [w[-1] for _, w in found if w]
+        kl = mean_of_runs([kls for kls, _, _ in found])
+        velocities = [v for _, _, v in found if v]
+        weights = [w[-1] for _, w, _ in found if w]
         window = res.windows.get(run_name(prefix, a, sm.seeds[0]))
         rows.append([a, f"[{window[1]}, {window[2]})" if window else "–",
                      " / ".join(f"{v:.3g}" for v in kl), f"{kl.max() / kl.min():.1f}",
+                     " / ".join(f"{v:.3g}" for v in mean_of_runs(velocities)) if velocities
+                     else "–",
                      " / ".join(f"{v:.2f}" for v in np.mean(weights, axis=0)) if weights
                      else "1"])
     if not rows:
@@ -207,4 +215,5 @@ def per_step_table(res: Results, sm: Summary, prefix: str) -> str | None:
     return table(["arm", "window",
                   "KL moved per window step (nats a sample, mean over iterations and seeds)",
                   "largest / smallest",
+                  "velocity change per window step (RMS a latent dim, mean alike)",
                   "loss weight per step, last iteration (mean over seeds)"], rows)
