@@ -148,6 +148,9 @@ class TrainSection(Section):
     target gives every window and noise level the same one. About 0.0165 is what the KL target
     0.03 gave Flow-GRPO on [0, 3) at a = 0.7: its first update changed the three steps'
     velocities 1 : 2.7 : 6.6 (RMS 0.085 at 0.79 nats; reports/cfg1-pool8-rank32-klstep's store).
+    Measured (reports/cfg1-pool8-rank32-velocity, 3 seeds): it gives the split window [0, 6)
+    Flow-GRPO's lr, but the split still does not beat Flow-GRPO (hard +0.006 [-0.095, +0.107]),
+    and Flow-GRPO gains no more than under the KL target (pool -0.026 [-0.090, +0.037]): off.
 
     `map_ratio` (ours; spatial credit only): "position" gives each position its own PPO ratio
     (CAST's), "sample" puts the map inside the sample's all-dims ratio, so that a constant map is
