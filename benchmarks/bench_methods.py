@@ -185,10 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     command = "python benchmarks/bench_methods.py " + " ".join(sys.argv[1:] if argv is None
                                                                else argv)
+    shown_kl = protocol.kl_target if args.velocity_target is None else None  # else in settings
     print(f"protocol: {protocol.about} -> "
           f"{size}, CFG {protocol.guidance or 'of the recipes'}, pool prompts "
           f"{protocol.pool_prompts or 'all'}, lr {protocol.lr or 'of the recipes'}"
-          f"{f', KL target {protocol.kl_target:g} nats' if protocol.kl_target and args.velocity_target is None else ''}"
+          f"{f', KL target {protocol.kl_target:g} nats' if shown_kl else ''}"
           f"{f', set {settings}' if settings else ''}; store "
           f"{store}, report {report}", flush=True)
     run_benchmark(size, store, report, "quick" if args.quick else "bench", args.threads,

@@ -31,7 +31,7 @@ class UpdateKl:
 
     nats: float
     per_step: tuple[float, ...]
-    velocity: VelocityChange | None = None
+    velocity: VelocityChange
 
 
 @dataclass(frozen=True)
