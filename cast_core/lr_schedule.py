@@ -1,6 +1,6 @@
 """Learning-rate schedules of the policy update: the per-step lr of a linear warm-up (passed to
-``cast_core.policy.policy_update`` as ``lr_for_step``) and the next iteration's lr from how far
-the last one moved the policy (a KL target).
+``cast_core.policy.policy_update`` as ``lr_for_step``), the next iteration's lr from how far
+the last one moved the policy (a KL target), and an lr half-life over iterations.
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ def linear_warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
     if warmup_steps < 0 or step < 0:
         raise ValueError(f"need warmup_steps >= 0 and step >= 0: got {warmup_steps}, {step}")
     return lr if warmup_steps == 0 else lr * min(1.0, (step + 1) / warmup_steps)
+
+
+def halflife_factor(iteration: int, halflife: float | None) -> float:
+    """The lr's decay factor at `iteration` (0-based) under a half-life of `halflife` iterations:
+    0.5 ** (iteration / halflife); 1 when halflife is None (no decay)."""
+    if iteration < 0 or (halflife is not None and not halflife > 0):
+        raise ValueError(f"need iteration >= 0 and halflife > 0 (or None): got {iteration}, "
+                         f"{halflife}")
+    return 1.0 if halflife is None else 0.5 ** (iteration / halflife)
 
 
 def kl_targeted_lr(lr: float, kl_nats: float | None, target_nats: float, *,

@@ -8,7 +8,12 @@ import torch
 from cast_core.backbones.shapes import ShapesBackbone, ShapesBackboneConfig
 from cast_core.lora import add_lora, reference_mode
 from cast_core.loss import spatial_clipped_loss
-from cast_core.lr_schedule import kl_step_weights, kl_targeted_lr, linear_warmup_lr
+from cast_core.lr_schedule import (
+    halflife_factor,
+    kl_step_weights,
+    kl_targeted_lr,
+    linear_warmup_lr,
+)
 from cast_core.policy import PolicyConfig, policy_update
 from cast_core.rollout import RolloutSpec, replay_log_probs, rollout
 from cast_core.sde import block_mean, sde_mean_std, velocity_gain
@@ -497,3 +502,12 @@ def test_velocity_change_validation():
     with pytest.raises(ValueError, match="noise_level > 0"):
         velocity_gain(1.0, 0.9, 0.0, "flow_sde")
     assert velocity_change((-1e-12,), [gain], dims=4).rms == 0.0
+
+
+def test_halflife_factor():
+    assert halflife_factor(0, 10.0) == 1.0 and halflife_factor(7, None) == 1.0
+    assert halflife_factor(10, 10.0) == pytest.approx(0.5)
+    assert halflife_factor(25, 10.0) == pytest.approx(2 ** -2.5)
+    for bad in ((-1, 10.0), (3, 0.0), (3, -2.0)):
+        with pytest.raises(ValueError, match="halflife > 0"):
+            halflife_factor(*bad)

@@ -210,6 +210,14 @@ def test_kl_targeted_lr_fields_are_checked_and_printed():
                                      "train.kl_target_nats": 0.03})
     assert "ODE rollouts" in _error(CI, {**nft, "train.velocity_target": 0.02})
     assert "train.velocity_target" in _error(CI, {"train.velocity_target": 0.0})
+    decayed = load_recipe(CI, {"train.kl_target_nats": 0.03, "train.lr_halflife": 20})
+    assert decayed.derived()["lr_schedule"].endswith(
+        "; the lr aimed at halves every 20 iterations (target and bounds with it)")
+    assert load_recipe(CI, {"train.lr_halflife": 20}).derived()["lr_schedule"] == (
+        f"constant {lr:g}; the lr aimed at halves every 20 iterations (target and bounds with it)")
+    assert decayed.section_hash("train") != load_recipe(
+        CI, {"train.kl_target_nats": 0.03}).section_hash("train")
+    assert "train.lr_halflife" in _error(CI, {"train.lr_halflife": 0})
 
 
 def test_overrides_apply_before_validation():

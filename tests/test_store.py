@@ -464,3 +464,37 @@ def test_cached_part_reads_equal_a_dataset_read_and_follow_rewrites_and_deletes(
     (tmp_path / "tables" / "atoms" / "part0.parquet").unlink()
     assert store.read_table("atoms").equals(scanned())
     assert store.read_table("atoms").num_rows == 3
+
+
+def test_catalog_refresh_reads_each_footer_once_and_finds_a_later_truncation(tmp_path,
+                                                                             monkeypatch):
+    """Every iteration's report refreshes the catalog; it must not read the whole store's
+    footers each time, yet a part truncated since it was read is still left out."""
+    from tasks.store import parts
+
+    store = Store(tmp_path)
+    for k in range(3):
+        store.write_table("atoms", [_atom_row(f"p{k}", 0)], part=f"part{k}")
+    parts.clear_cache()
+    reads = []
+    real = parts.parquet_readable
+    monkeypatch.setattr(parts, "parquet_readable", lambda f: reads.append(Path(f).name) or real(f))
+    store.refresh_catalog()
+    assert sorted(reads) == ["part0.parquet", "part1.parquet", "part2.parquet"]
+    reads.clear()
+    store.write_table("atoms", [_atom_row("p3", 0)], part="part3")
+    store.refresh_catalog()
+    assert reads == ["part3.parquet"]
+    reads.clear()
+    damaged = tmp_path / "tables" / "atoms" / "part1.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:-9])  # in place: same inode, shorter
+    store.refresh_catalog()
+    assert reads == ["part1.parquet"]
+    con = store.connect_readonly()
+    try:
+        assert con.execute("SELECT * FROM excluded_parts").fetchall() == [
+            ("atoms", "tables/atoms/part1.parquet")]
+        assert sorted(r[0] for r in con.execute("SELECT prompt_id FROM atoms").fetchall()) == [
+            "p0", "p2", "p3"]
+    finally:
+        con.close()

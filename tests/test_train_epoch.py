@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from cast_core.diagnostics import RewardAlarm
-from cast_core.lr_schedule import kl_step_weights
+from cast_core.lr_schedule import kl_step_weights, kl_targeted_lr
 from cast_core.nft_update import NftConfig, NftStep
 from cast_core.policy import UpdateStep
 from cast_core.update_kl import VelocityChange
 from tasks.stages.policy_state import PolicyState
 from tasks.stages.recipe import load_recipe
 from tasks.stages.recipe_method import TrainSection
-from tasks.stages.train_epoch import iteration_step_weights
+from tasks.stages.train_epoch import iteration_lr, iteration_step_weights
 from tasks.stages.train_rows import checkpoint_row, iteration_stats, train_step_rows
 from tasks.stages.train_update import TrainOutcome, pick_advantage
 from tasks.store.records import BlobRef
@@ -170,3 +170,28 @@ def test_iteration_step_weights_start_at_one_and_follow_the_last_per_step_kls():
     assert iteration_step_weights(on, PolicyState(3, "h", "l", "o", 1e-4, 0.05), 3) == (1.0,) * 3
     assert iteration_step_weights(on, last, 2) == (1.0, 1.0)
 
+
+
+def test_lr_halflife_halves_the_lr_aimed_at_every_halflife_iterations():
+    """A constant lr decays by d = 0.5^(k / H); under a KL target the target falls by d^2 (a
+    move's KL is quadratic in the lr) and the bounds by d, so a move at the target's lr gives
+    the decayed lr; a velocity target falls by d (linear in the lr)."""
+    lr, h = 1e-3, 10.0
+    const = load_recipe(CI, {"train.lr": lr, "train.lr_halflife": h})
+    assert iteration_lr(const, PolicyState(0, "h", None, None)) == lr
+    assert iteration_lr(const, PolicyState(10, "h", "l", "o", lr)) == pytest.approx(lr / 2)
+    assert iteration_lr(const, PolicyState(30, "h", "l", "o", lr)) == pytest.approx(lr / 8)
+    assert iteration_lr(load_recipe(CI, {"train.lr": lr}),
+                        PolicyState(30, "h", "l", "o", lr)) == lr  # no half-life: constant
+    # KL: the last iteration (lr 2e-4) moved exactly the undecayed target; at k = H the target
+    # is a quarter, so sqrt(1/4) halves the lr
+    kl = load_recipe(CI, {"train.lr": lr, "train.kl_target_nats": 0.03, "train.lr_halflife": h})
+    assert iteration_lr(kl, PolicyState(10, "h", "l", "o", 2e-4, 0.03)) == pytest.approx(1e-4)
+    assert iteration_lr(kl, PolicyState(10, "h", "l", "o", 2e-4, 0.03)) == pytest.approx(
+        kl_targeted_lr(2e-4, 0.03, 0.03 / 4, max_factor=2.0, lr_min=0.5e-4, lr_max=5e-3))
+    # the floor decays with it: 0.1 lr at k = 0, 0.025 lr at k = 2H
+    assert iteration_lr(kl, PolicyState(20, "h", "l", "o", 2e-5, 10.0)) == pytest.approx(2.5e-5)
+    vel = load_recipe(CI, {"train.lr": lr, "train.kl_target_nats": None,
+                           "train.velocity_target": 0.02, "train.lr_halflife": h})
+    assert iteration_lr(vel, PolicyState(10, "h", "l", "o", 4e-4, 0.5, update_velocity_rms=0.02)
+                        ) == pytest.approx(2e-4)

@@ -35,7 +35,8 @@ SAME_TRAIN = ("lora_rank", "lora_alpha", "kl_beta", "inner_epochs", "steps_per_e
 # (NFT) arm cannot target a KL (its ODE rollouts have no likelihoods), so under a KL-targeted
 # protocol it trains at the protocol's first lr, constant, while the SDE arms' lr follows their KL
 # target; an arm's `fixed` step (`NFT_STEP`) replaces the protocol's.
-STEP = ("lr", "kl_target_nats", "velocity_target", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling")
+STEP = ("lr", "kl_target_nats", "velocity_target", "kl_lr_factor", "kl_lr_floor", "kl_lr_ceiling",
+        "lr_halflife")
 SUITES = ("main", "ablations", "recast", "nft")
 # The SDE's exploration settings, equal across the SDE arms; the forward-process arms (NFT) sample
 # with the ODE from a fresh starting noise per sample instead.

@@ -27,6 +27,7 @@ section.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from safetensors import safe_open
 
@@ -117,9 +118,12 @@ def _log_prob_grid(store: Store, latents_path: str) -> tuple[int, int]:
     return int(shape[-2]), int(shape[-1])
 
 
-def _parents(store: Store, run_id: str) -> dict[tuple[str, str], list[str]]:
-    """Each atom's direct parents by (prompt_id, atom_id), from the run's `atoms` rows."""
-    table = store.read_table("atoms", {"run_id": run_id})
+def _parents(store: Store, run_id: str,
+             prompt_ids: list[str]) -> dict[tuple[str, str], list[str]]:
+    """Each atom's direct parents by (prompt_id, atom_id), from the run's `atoms` rows of
+    `prompt_ids` only (the run's table holds every prompt of the training set)."""
+    wanted = (pc.field("run_id") == run_id) & pc.field("prompt_id").isin(sorted(set(prompt_ids)))
+    table = store.read_table("atoms", wanted)
     return {(r["prompt_id"], r["atom_id"]): r["parents"]
             for r in table.select(["prompt_id", "atom_id", "parents"]).to_pylist()}
 
@@ -137,7 +141,7 @@ def compute_advantages(store: Store, recipe: Recipe, rollouts: StageRef, scores:
         samples = load_rollout_rows(store, rollouts)  # in blob order: prompt-major, G per prompt
         prompt_ids = [samples[i]["prompt_id"] for i in range(0, len(samples), g)]
         score_rows = store.read_output(scores, "atom_scores").to_pylist()
-        atom_ids, batch = atom_batch(score_rows, prompt_ids, g, _parents(store, run_id))
+        atom_ids, batch = atom_batch(score_rows, prompt_ids, g, _parents(store, run_id, prompt_ids))
         grid = _log_prob_grid(store, samples[0]["latents_path"])
         credit = batch_credit(batch, credit_config(recipe.advantage), grid, len(ATOM_TYPES))
         blob = store.put_tensors({"maps": credit.maps,

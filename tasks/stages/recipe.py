@@ -216,18 +216,21 @@ class Recipe(Section):
     def _lr_schedule(self) -> str:
         tr = self.train
         lo, hi = tr.kl_lr_floor, tr.kl_lr_ceiling
+        decay = ("" if tr.lr_halflife is None else
+                 f"; the lr aimed at halves every {tr.lr_halflife:g} iterations (target and "
+                 f"bounds with it)")
         if tr.velocity_target is not None:
             return (f"velocity-targeted: {tr.lr:g} at iteration 0, then x {tr.velocity_target:g} "
                     f"/ the last update's velocity change (RMS per latent dim) within "
                     f"x[1/{tr.kl_lr_factor:g}, {tr.kl_lr_factor:g}] an iteration and "
-                    f"[{lo * tr.lr:g}, {hi * tr.lr:g}]")
+                    f"[{lo * tr.lr:g}, {hi * tr.lr:g}]" + decay)
         if tr.kl_target_nats is None:
-            return f"constant {tr.lr:g}"
+            return f"constant {tr.lr:g}" + decay
         return (f"KL-targeted: {tr.lr:g} at iteration 0, then x sqrt({tr.kl_target_nats:g} nats / "
                 f"the last update's KL) within x[1/{tr.kl_lr_factor:g}, {tr.kl_lr_factor:g}] an "
                 f"iteration and [{lo * tr.lr:g}, {hi * tr.lr:g}]"
                 + (f"; each window step's loss weighted towards the same KL (floor "
-                   f"{tr.kl_step_weight_floor:g})" if tr.kl_target_per_step else ""))
+                   f"{tr.kl_step_weight_floor:g})" if tr.kl_target_per_step else "") + decay)
 
     def derived(self) -> dict[str, Any]:
         """Quantities the pipeline derives from the recipe (printed at the start of a flow)."""

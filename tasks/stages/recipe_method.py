@@ -152,6 +152,13 @@ class TrainSection(Section):
     Flow-GRPO's lr, but the split still does not beat Flow-GRPO (hard +0.006 [-0.095, +0.107]),
     and Flow-GRPO gains no more than under the KL target (pool -0.026 [-0.090, +0.037]): off.
 
+    `lr_halflife` (ours; None = no decay): the lr aimed at halves every that many iterations
+    (`cast_core.lr_schedule.halflife_factor`): a constant lr by the factor d = 0.5^(k / half-
+    life), the velocity target by d, the KL target by d^2 (a move's KL is quadratic in the lr),
+    and the controller's bounds by d. Why: on the shapes pool Flow-GRPO's training reward and
+    probe stop rising after about 30 iterations at a constant step and then wander
+    (reports/cfg1-pool8-rank32-80it); a step that shrinks lets a noisy gradient settle.
+
     `map_ratio` (ours; spatial credit only): "position" gives each position its own PPO ratio
     (CAST's), "sample" puts the map inside the sample's all-dims ratio, so that a constant map is
     exactly Flow-GRPO's loss; the per-position ratio's second-order term pushes positive-credit
@@ -163,7 +170,7 @@ class TrainSection(Section):
         "objective", "nft_beta", "nft_t_min", "nft_t_max", "nft_a_max", "nft_adaptive_weight",
         "nft_centre", "nft_guidance", "kl_target_nats", "kl_lr_factor", "kl_lr_floor",
         "kl_lr_ceiling", "map_ratio", "kl_target_per_step", "kl_step_weight_floor",
-        "velocity_target")
+        "velocity_target", "lr_halflife")
 
     lr: float = Field(gt=0.0)
     lora_rank: int = Field(ge=1)
@@ -202,6 +209,9 @@ class TrainSection(Section):
         None, gt=0.0, description="instead of kl_target_nats: each iteration's lr set so that the "
         "update changes the window's velocity by this RMS per latent dim (the KL it moved, "
         "converted through each step's sampler gain: cast_core.update_kl.velocity_change)")
+    lr_halflife: float | None = Field(
+        None, gt=0.0, description="iterations: the lr aimed at (constant, or the KL or velocity "
+        "controller's) halves every this many iterations; None: no decay")
     map_ratio: Literal["position", "sample"] = Field(
         "position", description="spatial credit: a PPO ratio per position (CAST's) or the map "
         "inside the sample's all-dims ratio (cast_core.loss.sample_ratio_spatial_loss; then "

@@ -79,7 +79,7 @@ from safetensors import safe_open
 from cast_core.csg.graph import ATOM_TYPES
 from cast_core.data_parallel import SOLO, Shard, same_on_all_ranks
 from cast_core.diagnostics import high_frequency_energy
-from cast_core.lr_schedule import kl_step_weights, kl_targeted_lr
+from cast_core.lr_schedule import halflife_factor, kl_step_weights, kl_targeted_lr
 from cast_core.nft import covered_steps
 from cast_core.pixel_map import split_step_maps, step_weighted_maps
 from cast_core.rollout import Rollout
@@ -132,18 +132,21 @@ def iteration_lr(recipe: Recipe, policy: PolicyState) -> float:
     moved the policy (`cast_core.lr_schedule.kl_targeted_lr`; `train.lr` at iteration 0, and for a
     previous checkpoint written before checkpoints had an lr), or with `train.velocity_target`
     the same towards a change of the velocity (`update_velocity_rms`; a checkpoint without one
-    keeps its lr)."""
+    keeps its lr). With `train.lr_halflife` the lr aimed at halves every that many iterations:
+    the constant lr and the controller's bounds by the factor d, the velocity target by d and the
+    KL target by d^2 (a move's KL is quadratic in the lr)."""
     tr = recipe.train
+    d = halflife_factor(policy.iteration, tr.lr_halflife)
     if policy.iteration == 0 or (tr.kl_target_nats is None and tr.velocity_target is None):
-        return tr.lr
+        return tr.lr * d
     if tr.velocity_target is not None:  # the velocity change is about linear in the lr, the KL
         moved = policy.update_velocity_rms  # quadratic: square both, and the same controller
-        moved, target = (None if moved is None else moved**2), tr.velocity_target**2
+        moved, target = (None if moved is None else moved**2), (tr.velocity_target * d)**2
     else:
-        moved, target = policy.update_kl_nats, tr.kl_target_nats
+        moved, target = policy.update_kl_nats, tr.kl_target_nats * d**2
     return kl_targeted_lr(tr.lr if policy.lr is None else policy.lr, moved, target,
-                          max_factor=tr.kl_lr_factor, lr_min=tr.kl_lr_floor * tr.lr,
-                          lr_max=tr.kl_lr_ceiling * tr.lr)
+                          max_factor=tr.kl_lr_factor, lr_min=tr.kl_lr_floor * tr.lr * d,
+                          lr_max=tr.kl_lr_ceiling * tr.lr * d)
 
 
 def iteration_step_weights(recipe: Recipe, policy: PolicyState,

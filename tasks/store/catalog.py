@@ -22,7 +22,7 @@ from pathlib import Path
 import duckdb
 
 from tasks.store.files import fsync_and_hash, remove_files
-from tasks.store.parts import parquet_readable
+from tasks.store.parts import damaged_parts
 from tasks.store.schemas import TABLES, view_sql
 
 
@@ -43,7 +43,7 @@ def build_catalog(root: Path, catalog_path: Path,
                 excluded = []
                 for spec in TABLES.values():
                     files = parts(spec.name)
-                    bad = [f for f in files if not parquet_readable(f)]
+                    bad = damaged_parts(files)
                     excluded += [(spec.name, f.relative_to(root).as_posix()) for f in bad]
                     source = ([str(f) for f in files if f not in bad] if bad else
                               str(root / "tables" / spec.name / "*.parquet"))
