@@ -411,6 +411,25 @@ def test_type_gains_are_paired_per_seed_and_skip_missing_types():
     assert "-0.150" in text
 
 
+def test_type_curves_follow_the_probe_per_type_and_skip_types_a_probe_lacks():
+    from methods.plots import plot_type_curves
+
+    curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 2}
+    res = _results(SMALL, curves, {"flowgrpo": [0.1, 0.1]})
+    assert summarise(res, ["flowgrpo"], [0, 1], "t", SMALL).type_curve == {}
+    assert plot_type_curves(summarise(res, ["flowgrpo"], [0, 1], "t", SMALL)) is None
+    types = {("t-base", -1, "probe", "count"): 0.1, ("t-base", -1, "probe", "object"): 0.6}
+    for x in (0, 1):
+        run = run_name("t", "flowgrpo", x)
+        types |= {(run, k, "probe", "count"): 0.1 + 0.01 * k * x for k in range(4)}
+        types |= {(run, k, "probe", "object"): 0.7 for k in range(3)}  # the last probe lacks it
+    sm = summarise(replace(res, type_evals=types), ["flowgrpo"], [0, 1], "t", SMALL)
+    assert set(sm.type_curve) == {("flowgrpo", "count")}
+    assert sm.type_curve[("flowgrpo", "count")] == [[0.1] * 5,
+                                                   pytest.approx([0.1, 0.1, 0.11, 0.12, 0.13])]
+    assert plot_type_curves(sm)[:4] == b"\x89PNG"
+
+
 def test_per_step_table_averages_iterations_then_seeds_and_shows_the_last_weights():
     curves = {"flowgrpo": [[0.5, 0.55, 0.6, 0.65, 0.7]] * 3,
               "cast": [[0.5, 0.6, 0.7, 0.72, 0.75]] * 3}
@@ -544,7 +563,7 @@ def test_tiny_benchmark_writes_a_report_and_figures_from_the_store(tmp_path, mon
                         only=names)
     report = (tmp_path / "report" / "report.md").read_text()
     for name in ("gains.png", "learning_curves.png", "stage_times.png", "grid-base-pool.png",
-                 "grid-cast-hard.png", "gains-recast-equal-it0.png"):
+                 "grid-cast-hard.png", "gains-recast-equal-it0.png", "type_curves.png"):
         assert (tmp_path / "report" / name).stat().st_size > 500, name
         assert f"]({name})" in report
     for section in ("## Against the targets", "## Learning curves", "## Sample efficiency",

@@ -55,6 +55,30 @@ def plot_learning_curves(sm: Summary) -> bytes:
     return png(fig, rect=(0, 0, 0.84, 1))
 
 
+def plot_type_curves(sm: Summary) -> bytes | None:
+    """The probe's mean score of each atom type against samples seen, one panel per type; mean
+    over seeds with a 95% t-band. None when the store has no per-type probe rows."""
+    types = list(dict.fromkeys(t for _, t in sm.type_curve))
+    if not types:
+        return None
+    colors = _arm_colors(sm.arms)
+    fig = figure(11, 3.2 * ((len(types) + 1) // 2))
+    for i, t in enumerate(types):
+        ax = fig.add_subplot((len(types) + 1) // 2, 2, i + 1)
+        for a in sm.arms:
+            mean, low, high = _band(sm.type_curve[(a, t)])
+            ax.plot(sm.samples, mean, "o-", color=colors[a], label=a, markersize=2,
+                    linewidth=2.0 if a == BASELINE else 1.2)
+            if low is not None:
+                ax.fill_between(sm.samples, low, high, color=colors[a], alpha=0.12)
+        ax.set_title(f"probe, {t} atoms: mean score (mean over seeds, 95% t-band)", fontsize=9)
+        ax.set_xlabel("samples seen", fontsize=8)
+        ax.grid(alpha=0.3)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
+    return png(fig, rect=(0, 0, 0.84, 1))
+
+
 def plot_gains(sm: Summary) -> bytes:
     """One panel per final split x metric: each arm's mean gain with its 95% interval."""
     colors, y = _arm_colors(sm.arms), np.arange(len(sm.arms))[::-1]

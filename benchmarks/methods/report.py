@@ -10,7 +10,7 @@ from pathlib import Path
 from cast_core.csg.graph import ATOM_TYPES
 from methods.arms import BASELINE, RECAST_PAIRS
 from methods.figures import figures, figures_text, hacking_figures
-from methods.plots import plot_gains, plot_learning_curves, plot_times
+from methods.plots import plot_gains, plot_learning_curves, plot_times, plot_type_curves
 from methods.protocols import FINAL_SPLITS, METRICS, run_name
 from methods.store_reads import Results
 from methods.summary import RecastSummary, Summary, one_change
@@ -146,6 +146,7 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
         provenance += (" Runs read under another name (`--runs-as`, checked against each run's "
                        "pinned recipe): " + ", ".join(f"{a} as `{prefix}-{s}-s<seed>`"
                                                       for a, s in setup["aliases"].items()) + ".")
+    types_png = plot_type_curves(sm)
     md = ["# CAST vs Flow-GRPO on the shapes world", "", provenance, "", "## Setup", "",
           *_setup_lines(sm, res, setup), "",
           "## Against the targets (figures.json)", "", figures_text(entries), "",
@@ -159,6 +160,8 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
           "## Learning curves (probe)", "",
           CURVES_TEXT, "", curve_table(sm), "",
           "![learning curves](learning_curves.png)", "",
+          *([TYPE_CURVES_TEXT, "", "![probe per atom type](type_curves.png)", ""]
+            if types_png is not None else []),
           "## Sample efficiency", "",
           EFFICIENCY_TEXT.format(baseline=BASELINE, threshold=fmt(sm.threshold)), "",
           efficiency_table(sm), "",
@@ -176,7 +179,8 @@ def write_report(out: Path, sm: Summary, res: Results, setup: dict,
           *recast_lines, what_was_tried(), "## Query the store", "", "```sql",
           QUERY.format(prefix=prefix), "```", ""]
     pngs = {"gains.png": plot_gains(sm), "learning_curves.png": plot_learning_curves(sm),
-            "stage_times.png": plot_times(sm)}
+            "stage_times.png": plot_times(sm),
+            **({"type_curves.png": types_png} if types_png is not None else {})}
     for name, data in pngs.items():
         atomic_write_bytes(out / name, data)
     for name, path in copies.items():
@@ -195,6 +199,9 @@ CURVES_TEXT = (
     "The probe (pool prompts, fixed noise) after every iteration; samples seen = (k + 1) B G "
     "after iteration k; wall minutes = the run's cumulative training-stage seconds. Mean over "
     "seeds [95% t]:")
+TYPE_CURVES_TEXT = (
+    "The same probe per atom type (the evaluate stage's `atom_type` rows): which kinds of atom "
+    "the policy learns, and which stay where the base left them.")
 EFFICIENCY_TEXT = (
     "Threshold: {baseline}'s final probe mean atom score, mean over seeds ({threshold}). Samples "
     "each seed's probe curve needs to first reach it (linear between checkpoints), and the ratio "

@@ -55,7 +55,9 @@ class Summary:
     iteration's stages summed) and time_ratio to flowgrpo; minutes[(arm, seed)] = every stage of
     the run (training, probes, final evaluation); hf[(arm or "base", split)] = hf_energy (mean
     over seeds); diversity[(arm or "base", split)] the same for the evaluation's diversity (mean
-    pairwise 1 - cos of one prompt's images' layout embeddings; None where a row lacks it)."""
+    pairwise 1 - cos of one prompt's images' layout embeddings; None where a row lacks it);
+    type_curve[(arm, atom type)] = [seeds][K + 1] probe mean scores of that type (index 0 the
+    base), for the types the probe's prompts hold."""
 
     arms: list
     seeds: list
@@ -77,6 +79,7 @@ class Summary:
     minutes: dict
     hf: dict
     diversity: dict = field(default_factory=dict)
+    type_curve: dict = field(default_factory=dict)
 
 
 def _value(res: Results, run: str, k: int, split: str, column: str) -> float:
@@ -128,6 +131,24 @@ def _curves(res: Results, names: list[str], seeds: list[int], prefix: str, size:
             per_seed.append([v / 60 for v in steps])
         wall[a] = per_seed
     return curve, wall
+
+
+def _type_curves(res: Results, names: list[str], seeds: list[int], prefix: str,
+                 size: Size) -> dict:
+    """{(arm, atom type): [seeds][K + 1]} probe mean score per type, index 0 the base; a type
+    goes in when the base and every run's every probe have it."""
+    base_run, its = f"{prefix}-base", range(size.iterations)
+    out = {}
+    for t in ATOM_TYPES:
+        keys = [(base_run, -1)] + [(run_name(prefix, a, x), k) for a in names for x in seeds
+                                    for k in its]
+        if not all((r, k, "probe", t) in res.type_evals for r, k in keys):
+            continue
+        for a in names:
+            out[(a, t)] = [[res.type_evals[(base_run, -1, "probe", t)],
+                            *(res.type_evals[(run_name(prefix, a, x), k, "probe", t)] for k in its)]
+                           for x in seeds]
+    return out
 
 
 def _efficiency(curve: dict, names: list[str], seeds: list[int], samples: list[int]) -> tuple:
@@ -189,7 +210,7 @@ def summarise(res: Results, names: list[str], seeds: list[int], prefix: str,
                   for a in names for s in FINAL_SPLITS}
     return Summary(names, seeds, base, gains, gain, seed_gain, checkpoint, diff, ratio, curve,
                    samples, wall, threshold, to_threshold, crossing, medians, time_ratio, minutes,
-                   hf, diversity)
+                   hf, diversity, _type_curves(res, names, seeds, prefix, size))
 
 
 def _maybe(res: Results, run: str, k: int, split: str, column: str) -> float | None:
