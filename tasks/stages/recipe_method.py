@@ -156,8 +156,11 @@ class TrainSection(Section):
     (`cast_core.lr_schedule.halflife_factor`): a constant lr by the factor d = 0.5^(k / half-
     life), the velocity target by d, the KL target by d^2 (a move's KL is quadratic in the lr),
     and the controller's bounds by d. Why: on the shapes pool Flow-GRPO's training reward and
-    probe stop rising after about 30 iterations at a constant step and then wander
-    (reports/cfg1-pool8-rank32-80it); a step that shrinks lets a noisy gradient settle.
+    probe stop rising after about 30 iterations at a constant step, and the policy then does a
+    random walk in function space (reports/cfg1-pool8-rank32-80it); a step that shrinks should
+    let it settle. Measured (reports/cfg1-pool8-rank32-hl20, 3 seeds): a half-life of 20 gains
+    less within 40 iterations (pool -0.010 [-0.030, +0.009], probe over the last 10 iterations
+    -0.034 [-0.068, -0.001] against the constant step): unset.
 
     `map_ratio` (ours; spatial credit only): "position" gives each position its own PPO ratio
     (CAST's), "sample" puts the map inside the sample's all-dims ratio, so that a constant map is
