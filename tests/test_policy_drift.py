@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from policy_drift import drift_figures  # noqa: E402
+from policy_drift import drift_figures
 
 
 def test_a_straight_line_a_reversal_and_independent_moves():
