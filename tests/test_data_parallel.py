@@ -212,12 +212,18 @@ def test_two_ranks_take_the_single_process_steps(two_ranks, case):
     _, steps, _, epochs = CASES[case]
     for got in two_ranks[case]:
         _same_state(got, want, steps * epochs)
-        assert got["moved"] == pytest.approx(want["moved"], rel=1e-5, abs=1e-7)
+        # A KL between two close policies is a small difference of large log-probs, so its
+        # float32 rounding shows at about 1e-4 relative: the solo run alone gives 0.0024360 on 2
+        # threads and 0.0024362 on 1 (case 0), and the ranks, whose batches hold other rows,
+        # differed from it by up to 1e-4 (torch 2.13, transformers 5.25). The LoRA and Adam state
+        # above are checked to 1e-6.
+        assert got["moved"] == pytest.approx(want["moved"], rel=5e-4, abs=1e-7)
         for r, r0 in zip(got["records"], want["records"], strict=True):
             assert r.samples == r0.samples and r.skipped == r0.skipped
-            for field in ("loss", "grad_norm", "ratio_mean", "clip_fraction", "policy_kl_nats"):
+            for field in ("loss", "grad_norm", "ratio_mean", "clip_fraction"):
                 assert getattr(r, field) == pytest.approx(getattr(r0, field), rel=1e-5,
                                                           abs=1e-7), field
+            assert r.policy_kl_nats == pytest.approx(r0.policy_kl_nats, rel=5e-4, abs=1e-7)
             assert (r.ref_kl_nats is None) == (r0.ref_kl_nats is None)
     ranks = two_ranks[case]
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["lora"], ranks[1]["lora"]))
