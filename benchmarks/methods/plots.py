@@ -27,6 +27,21 @@ def _band(curves: list[list[float]]) -> tuple[np.ndarray, np.ndarray | None, np.
     return mean, np.array([v.low for v in ivs]), np.array([v.high for v in ivs])
 
 
+def _curve(ax, x, curves: list[list[float]], color, arm: str, markersize: float) -> None:
+    """One arm's mean over seeds against x, with its 95% t-band (none with one seed)."""
+    mean, low, high = _band(curves)
+    ax.plot(x, mean, "o-", color=color, label=arm, markersize=markersize,
+            linewidth=2.0 if arm == BASELINE else 1.2)
+    if low is not None:
+        ax.fill_between(x, low, high, color=color, alpha=0.12)
+
+
+def _legend_png(fig) -> bytes:
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
+    return png(fig, rect=(0, 0, 0.84, 1))
+
+
 def plot_learning_curves(sm: Summary) -> bytes:
     """Probe mean atom score and strict accuracy against samples seen and wall minutes; mean over
     seeds with a 95% t-band; flowgrpo's final probe mean score dashed."""
@@ -36,13 +51,9 @@ def plot_learning_curves(sm: Summary) -> bytes:
         for j, axis in enumerate(("samples", "wall")):
             ax = fig.add_subplot(len(METRICS), 2, 2 * i + j + 1)
             for a in sm.arms:
-                mean, low, high = _band(sm.curve[(a, m)])
                 x = (np.asarray(sm.samples) if axis == "samples"
                      else np.asarray(sm.wall[a]).mean(axis=0))
-                ax.plot(x, mean, "o-", color=colors[a], label=a, markersize=3,
-                        linewidth=2.0 if a == BASELINE else 1.2)
-                if low is not None:
-                    ax.fill_between(x, low, high, color=colors[a], alpha=0.12)
+                _curve(ax, x, sm.curve[(a, m)], colors[a], a, 3)
             if m == "mean_score" and sm.threshold is not None:
                 ax.axhline(sm.threshold, color="grey", linestyle="--", linewidth=0.8,
                            label=f"{BASELINE} final")
@@ -50,9 +61,7 @@ def plot_learning_curves(sm: Summary) -> bytes:
                           "wall minutes (training stages, mean over seeds)", fontsize=8)
             ax.set_title(f"probe {label} (mean over seeds, 95% t-band)", fontsize=9)
             ax.grid(alpha=0.3)
-    handles, labels = fig.axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=7)
-    return png(fig, rect=(0, 0, 0.84, 1))
+    return _legend_png(fig)
 
 
 def plot_type_curves(sm: Summary) -> bytes | None:
@@ -66,17 +75,11 @@ def plot_type_curves(sm: Summary) -> bytes | None:
     for i, t in enumerate(types):
         ax = fig.add_subplot((len(types) + 1) // 2, 2, i + 1)
         for a in sm.arms:
-            mean, low, high = _band(sm.type_curve[(a, t)])
-            ax.plot(sm.samples, mean, "o-", color=colors[a], label=a, markersize=2,
-                    linewidth=2.0 if a == BASELINE else 1.2)
-            if low is not None:
-                ax.fill_between(sm.samples, low, high, color=colors[a], alpha=0.12)
+            _curve(ax, sm.samples, sm.type_curve[(a, t)], colors[a], a, 2)
         ax.set_title(f"probe, {t} atoms: mean score (mean over seeds, 95% t-band)", fontsize=9)
         ax.set_xlabel("samples seen", fontsize=8)
         ax.grid(alpha=0.3)
-    handles, labels = fig.axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=7)
-    return png(fig, rect=(0, 0, 0.84, 1))
+    return _legend_png(fig)
 
 
 def plot_gains(sm: Summary) -> bytes:
